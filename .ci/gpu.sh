@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# How the stored notebook outputs are made, on an offline GPU machine that already has torch,
+# triton, transformers and matplotlib (see README, "Running on a GPU"). Run from the repo root:
+#
+#   .ci/gpu.sh setup DIR      install the wheels in DIR/wheels; start the model file from DIR/model-a
+#   .ci/gpu.sh model DIR      finish the model file with DIR/model-b
+#   .ci/gpu.sh run OUT        the test suite on the GPU, then every notebook executed in place; logs
+#                             and the executed notebooks go to OUT
+set -euo pipefail
+SITE=/tmp/minillm-site
+MODEL=/root/minillm-model/SmolLM2-135M-Instruct.Q4_1.gguf
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} PATH=$SITE/bin:$PATH MINILLM_MODEL=$MODEL PYTHONUNBUFFERED=1
+case "$1" in
+  setup)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE "$2"/wheels/*.whl
+    python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target $SITE .
+    python3 -m ipykernel install --user --name python3 >/dev/null
+    mkdir -p "$(dirname $MODEL)" && rm -f "$MODEL.part" && cat "$2"/model-a > "$MODEL.part"
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+    python3 -c "import torch, triton, transformers, minillm; print(torch.__version__, triton.__version__, transformers.__version__, minillm.__file__)"
+    ;;
+  model)
+    cat "$2"/model-b >> "$MODEL.part" && mv "$MODEL.part" "$MODEL" && ls -la "$MODEL"
+    ;;
+  run)
+    out=$2; mkdir -p "$out"
+    python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target $SITE --upgrade .
+    python3 -m pytest tests/ -q -p no:cacheprovider --ignore=tests/test_site.py --ignore=tests/test_notebook_files.py \
+      2>&1 | tee "$out/pytest-gpu.log" || true
+    python3 -m minillm.nbrun notebooks/[0-9]*.ipynb notebooks/labs/[0-9]*.ipynb 2>&1 | tee "$out/notebooks.log" || true
+    tar czf "$out/notebooks.tgz" notebooks/*.ipynb notebooks/labs/*.ipynb
+    ;;
+  *) echo "usage: $0 setup DIR | model DIR | run OUT" >&2; exit 2 ;;
+esac

@@ -1,0 +1,80 @@
+"""The `minillm` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _tokenize(args) -> int:
+    from .tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.model)
+    text = args.text
+    if args.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        print(f"chat prompt ({tok.name}'s template):\n{text}")
+    ids = tok.encode(text)
+    print(f"{len(ids)} tokens ({len(text.encode())} bytes, {len(text.encode()) / max(1, len(ids)):.2f} bytes/token)")
+    if not args.ids_only:
+        for i in ids:
+            print(f"{i:>7}  {tok.decode([i])!r}")
+    print("ids:", ids)
+    assert tok.decode(ids) == text or not tok.covers(text), "round trip failed"
+    return 0
+
+
+def _labs(args) -> int:
+    from .labs.student import build_student_labs
+
+    written = build_student_labs(args.src, args.out)
+    for path in written:
+        print(f"wrote {path}")
+    if not written:
+        print(f"no solution labs (with ### BEGIN SOLUTION markers) in {args.src}")
+        return 1
+    return 0
+
+
+def _bench(args) -> int:
+    from .bench import WORKLOADS, run
+
+    if args.name == "list":
+        for name, (_, what) in WORKLOADS.items():
+            print(f"{name:12} {what}")
+        return 0
+    run(args.name)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="minillm", description="minillm: an LLM inference engine you can read.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("tokenize", help="show how a model's tokenizer cuts a text")
+    t.add_argument("text")
+    t.add_argument("--model", default=None, help="a .gguf file, tokenizer.json or HF model folder (default: embedded SmolLM2)")
+    t.add_argument("--chat", action="store_true", help="wrap the text as a user turn with the model's chat template")
+    t.add_argument("--ids-only", action="store_true", help="print only the ids")
+    t.set_defaults(fn=_tokenize)
+
+    labs = sub.add_parser("labs", help="lab notebooks")
+    labs_sub = labs.add_subparsers(dest="labs_command", required=True)
+    b = labs_sub.add_parser("build", help="write the student notebooks from the solution labs")
+    b.add_argument("--src", default="notebooks/labs")
+    b.add_argument("--out", default=None, help="default: SRC/student")
+    b.set_defaults(fn=_labs)
+
+    bench = sub.add_parser("bench", help="run a named benchmark ('list' to see them)")
+    bench.add_argument("name")
+    bench.set_defaults(fn=_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"minillm: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,70 @@
+"""Checks for lab 01: the BPE merge step and the encoder, against minillm's tokenizer."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from functools import cache
+
+from ..tokenizer import bpe, count_pairs, load_tokenizer, merge_pair
+from .checker import check
+
+
+@cache
+def _tok():
+    return load_tokenizer()
+
+
+def check_count_pairs(fn, cases: int = 200):
+    """fn(words: dict[tuple[int, ...], int]) -> Counter of adjacent pairs weighted by frequency."""
+
+    def case(rng: random.Random):
+        words = {tuple(rng.randrange(6) for _ in range(rng.randint(1, 8))): rng.randint(1, 9) for _ in range(20)}
+        return (words,)
+
+    return check("count_pairs", fn, count_pairs, case, cases=cases, equal=lambda a, b: Counter(a) == b)
+
+
+def check_merge_pair(fn, cases: int = 300):
+    """fn(ids, pair, new_id) -> ids with every non-overlapping occurrence of pair replaced, left to right."""
+
+    def case(rng: random.Random):
+        ids = [rng.randrange(4) for _ in range(rng.randint(0, 16))]
+        return ids, (rng.randrange(4), rng.randrange(4)), 99
+
+    return check("merge_pair", fn, lambda ids, p, n: merge_pair(list(ids), p, n), case, cases=cases)
+
+
+_WORDS = ["hello", " world", " tokenization", " naïve", " 東京", " 😀", "ing", " the", " Transformer",
+          " inference", "123", " unbelievable", " café", " ñandú", "!!!", " LLM", " résumé", "\n\n", "    "]
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZéüñ東京😀"
+
+
+def _random_chunk(rng: random.Random) -> str:
+    """A known word, or a made-up one (BPE must cope with words it never saw)."""
+    if rng.random() < 0.5:
+        return rng.choice(_WORDS)
+    return rng.choice(["", " "]) + "".join(rng.choice(_LETTERS) for _ in range(rng.randint(1, 12)))
+
+
+def check_bpe(fn, cases: int = 200):
+    """fn(byte_ids, merges) -> the ids after applying the merges, lowest rank first.
+
+    byte_ids are SmolLM2's one-byte tokens for a chunk; merges is SmolLM2's real merge table."""
+    tok = _tok()
+
+    def case(rng: random.Random):
+        chunk = _random_chunk(rng)
+        return tok.bytes_to_ids(chunk.encode("utf-8")), tok.merges
+
+    return check("bpe", fn, lambda ids, merges: bpe(list(ids), merges), case, cases=cases)
+
+
+def check_encode(fn, cases: int = 100):
+    """fn(text) -> SmolLM2's token ids for text (no added tokens in it)."""
+    tok = _tok()
+
+    def case(rng: random.Random):
+        return ("".join(_random_chunk(rng) for _ in range(rng.randint(1, 8))),)
+
+    return check("encode", fn, lambda text: tok.encode(text), case, cases=cases)
