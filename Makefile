@@ -38,7 +38,7 @@ $(VENV)/.dev: $(VENV)/.runtime
 run: $(VENV)/.runtime
 	$(BIN)/minillm tokenize --chat "$(PROMPT)"
 
-test: $(VENV)/.dev chromium test-py test-notebooks test-hygiene lint
+test: $(VENV)/.dev chromium test-py test-notebooks test-hygiene lint docs
 	@echo "make test: all green"
 
 test-py: $(VENV)/.dev

