@@ -1,6 +1,6 @@
 # minillm: two commands for a fresh Linux machine with Python 3.11+ and pip.
 #
-#   make run     generate... for now: tokenize a prompt with the embedded SmolLM2 (chapter 01)
+#   make run     answer a prompt with the embedded SmolLM2-135M-Instruct (PROMPT="..." to change it)
 #   make test    everything CI runs: unit and oracle tests, notebooks, lab bite, hygiene, site
 #
 # Both create .venv and install what they need into it. Other targets: labs, docs, serve-docs, lint.
@@ -36,7 +36,7 @@ $(VENV)/.dev: $(VENV)/.runtime
 	touch $@
 
 run: $(VENV)/.runtime
-	$(BIN)/minillm tokenize --chat "$(PROMPT)"
+	$(BIN)/minillm generate "$(PROMPT)"
 
 test: $(VENV)/.dev chromium test-py test-notebooks test-hygiene lint docs
 	@echo "make test: all green"

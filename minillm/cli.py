@@ -26,6 +26,59 @@ def _tokenize(args) -> int:
     return 0
 
 
+def _sampling(args):
+    from .sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
+
+
+def _load(args):
+    from .llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, device=args.device)
+
+
+def _stream(llm, prompt: str, params) -> str:
+    import time
+
+    start, text = time.perf_counter(), ""
+    for piece in llm.stream(prompt, params):
+        print(piece, end="", flush=True)
+        text += piece
+    seconds = time.perf_counter() - start
+    n = len(llm.tokenizer.encode(text))
+    print(flush=True)
+    print(f"[{n} tokens in {seconds:.1f} s: {n / seconds:.1f} tok/s, {llm.device}, no KV cache yet]", file=sys.stderr)
+    return text
+
+
+def _generate(args) -> int:
+    llm = _load(args)
+    prompt = args.prompt
+    if not args.raw and llm.tokenizer.chat_template:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    _stream(llm, prompt, _sampling(args))
+    return 0
+
+
+def _chat(args) -> int:
+    llm = _load(args)
+    params, messages = _sampling(args), []
+    print(f"chatting with {llm.config.name} on {llm.device} (an empty line or Ctrl-D ends)", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        print("assistant> ", end="", flush=True)
+        reply = _stream(llm, llm.tokenizer.apply_chat_template(messages), params)
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
 def _labs(args) -> int:
     from .labs.student import build_student_labs
 
@@ -59,6 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--chat", action="store_true", help="wrap the text as a user turn with the model's chat template")
     t.add_argument("--ids-only", action="store_true", help="print only the ids")
     t.set_defaults(fn=_tokenize)
+
+    for name, helptext in [("generate", "generate a reply to a prompt, streamed"), ("chat", "chat in the terminal")]:
+        g = sub.add_parser(name, help=helptext)
+        if name == "generate":
+            g.add_argument("prompt")
+            g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+        g.add_argument("--model", default=None, help="a .gguf file, HF model folder or hub id (default: embedded SmolLM2)")
+        g.add_argument("--max-tokens", type=int, default=128)
+        g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+        g.add_argument("--top-p", type=float, default=0.9)
+        g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+        g.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
+        g.set_defaults(fn=_generate if name == "generate" else _chat)
 
     labs = sub.add_parser("labs", help="lab notebooks")
     labs_sub = labs.add_subparsers(dest="labs_command", required=True)

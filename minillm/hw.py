@@ -63,27 +63,40 @@ def matmul_cost(m: int, n: int, k: int, dtype_bytes: int = 2) -> tuple[int, int]
     return flops, nbytes
 
 
-def time_it(fn: Callable[[], object], *, warmup: int = 3, reps: int = 20, device: torch.device | None = None) -> float:
-    """Median seconds per call of fn(); warm-up calls excluded. CUDA: device events, else wall clock."""
+def time_it(fn: Callable[[], object], *, warmup: int = 3, reps: int = 20, inner: int | None = None,
+            device: torch.device | None = None) -> float:
+    """Median seconds per call of fn(), warm-up excluded.
+
+    Each of `reps` samples times `inner` calls issued back to back, so the GPU never waits for the
+    CPU between them: with one call per sample, the host's launch time (several microseconds) would
+    land inside the measurement of a kernel that itself takes tens. `inner` defaults to enough calls
+    to fill about a millisecond. CUDA: device events; CPU: the wall clock.
+    """
     device = device or torch.device("cpu")
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(reps):
+    cuda = device.type == "cuda"
+
+    def sample(n: int) -> float:
+        if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(n):
+                fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-    else:
-        for _ in range(reps):
-            t0 = time.perf_counter()
+            return start.elapsed_time(end) / 1e3 / n
+        t0 = time.perf_counter()
+        for _ in range(n):
             fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        return (time.perf_counter() - t0) / n
+
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    if inner is None:
+        once = sample(1)
+        inner = max(1, min(1000, int(1e-3 / max(once, 1e-7)))) if cuda else 1
+    return statistics.median(sample(inner) for _ in range(reps))
 
 
 def device_name(device: torch.device) -> str:

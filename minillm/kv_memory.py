@@ -54,12 +54,14 @@ def kv_cache_bytes(
                         ("seq_len", seq_len), ("batch", batch)]:
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, not {value!r}")
-    if dtype_bytes <= 0:
-        raise ValueError(f"dtype_bytes must be positive, not {dtype_bytes!r}")
+    if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, (int, float)) or dtype_bytes <= 0:
+        raise ValueError(f"dtype_bytes must be a positive number, not {dtype_bytes!r}")
     return kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes) * seq_len * batch
 
 
 def model_kv_bytes(model: str | AttentionShape, seq_len: int, batch: int = 1, dtype: str = "bf16") -> float:
+    if isinstance(model, str) and model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; known: {', '.join(MODELS)} (or pass an AttentionShape)")
     shape = MODELS[model] if isinstance(model, str) else model
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, not {dtype!r}")
@@ -68,5 +70,7 @@ def model_kv_bytes(model: str | AttentionShape, seq_len: int, batch: int = 1, dt
 
 def max_batch(model: str | AttentionShape, seq_len: int, free_bytes: float, dtype: str = "bf16") -> int:
     """How many sequences of seq_len tokens fit in free_bytes of KV memory."""
+    if free_bytes < 0:
+        raise ValueError(f"free_bytes must be >= 0, not {free_bytes}")
     per_seq = model_kv_bytes(model, seq_len, 1, dtype)
     return int(free_bytes // per_seq) if per_seq else 0

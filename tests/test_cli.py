@@ -35,3 +35,22 @@ def test_labs_build(tmp_path, capsys):
     src = Path(__file__).resolve().parent.parent / "notebooks" / "labs"
     assert main(["labs", "build", "--src", str(src), "--out", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.glob("*.ipynb")) == sorted(p.name for p in src.glob("[0-9]*.ipynb"))
+
+
+def test_generate_answers(capsys):
+    assert main(["generate", "What is the capital of France?", "--max-tokens", "16", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert "Paris" in captured.out and "tok/s" in captured.err
+
+
+def test_generate_rejects_bad_sampling(capsys):
+    assert main(["generate", "hi", "--temperature", "-1", "--device", "cpu"]) == 2
+    assert "temperature must be >= 0" in capsys.readouterr().err
+
+
+def test_chat_reads_turns_until_eof(monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\n"))
+    assert main(["chat", "--max-tokens", "12", "--device", "cpu"]) == 0
+    assert "Paris" in capsys.readouterr().out

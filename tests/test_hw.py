@@ -53,6 +53,12 @@ def test_kv_rejects_bad_input(bad):
         kv_cache_bytes(**args)
     with pytest.raises(ValueError, match="dtype must be one of"):
         model_kv_bytes("SmolLM2-135M", 10, dtype="fp12")
+    with pytest.raises(ValueError, match="unknown model 'Llama-9B'"):
+        model_kv_bytes("Llama-9B", 10)
+    with pytest.raises(ValueError, match="dtype_bytes must be a positive number"):
+        kv_cache_bytes(2, 2, 64, 10, 1, dtype_bytes="2")
+    with pytest.raises(ValueError, match="free_bytes must be >= 0"):
+        max_batch("Llama-3-8B", 10, -1)
 
 
 def test_matmul_flops_match_torch_flop_counter(seed):
@@ -92,7 +98,10 @@ def test_measurements_run_on_this_device():
     assert c.copy_gbps > 0 and c.matmul_tflops > 0 and c.dtype == "float32"
 
 
-def test_time_it_takes_the_median():
+def test_time_it_takes_the_median_per_call():
     calls = []
-    seconds = hw.time_it(lambda: calls.append(1), warmup=2, reps=5)
-    assert len(calls) == 7 and seconds >= 0
+    seconds = hw.time_it(lambda: calls.append(1), warmup=2, reps=5, inner=3)
+    assert len(calls) == 2 + 5 * 3 and seconds >= 0
+    import time
+
+    assert 0.004 < hw.time_it(lambda: time.sleep(0.005), warmup=1, reps=3) < 0.05

@@ -245,3 +245,150 @@ def test_tokenizer_json_refuses_what_it_cannot_do(tmp_path, change, match):
     path.write_text(json.dumps(spec))
     with pytest.raises(ValueError, match=match):
         load_tokenizer(path)
+
+
+# ---- corners a reviewer's mutations found untested ------------------------------------------------
+
+
+def test_training_ties_go_to_the_first_seen_pair_and_it_stops_when_nothing_repeats():
+    assert next(iter(train_bpe("abab cdcd", vocab_size=257).merges)) == (ord("a"), ord("b"))
+    assert next(iter(train_bpe("cdcd abab", vocab_size=257).merges)) == (ord("c"), ord("d"))
+    assert train_bpe("abcdefg", vocab_size=300).vocab_size == 256  # no pair occurs twice
+    with pytest.raises(TypeError, match="list of strings"):
+        train_bpe("abc", vocab_size=300, special_tokens="<|end|>")
+    with pytest.raises(ValueError, match="distinct"):
+        train_bpe("abc", vocab_size=300, special_tokens=["<|a|>", "<|a|>"])
+
+
+def test_heap_bpe_equals_the_loop_and_long_runs_are_fast(tok, seed):
+    import time
+
+    from minillm.tokenizer.bpe import LONG_CHUNK, bpe_heap
+
+    def loop(ids, merges):
+        while len(ids) >= 2:
+            ranked = [(merges[p][0], p) for p in zip(ids, ids[1:]) if p in merges]
+            if not ranked:
+                return ids
+            _, p = min(ranked)
+            ids = merge_pair(ids, p, merges[p][1])
+        return ids
+
+    rng = random.Random(seed)
+    for _ in range(100):
+        text = "".join(rng.choice("abcdefghij klmnop éü東😀0123+/=") for _ in range(rng.randint(1, 3 * LONG_CHUNK)))
+        ids = tok.bytes_to_ids(text.encode())
+        assert bpe_heap(ids, tok.merges) == loop(ids, tok.merges), text
+    dna = "".join(rng.choice("ACGT") for _ in range(50_000))  # one 50,000-letter chunk
+    start = time.perf_counter()
+    ids = tok.encode(dna)
+    assert time.perf_counter() - start < 5
+    assert tok.decode(ids) == dna
+
+
+def test_overlapping_added_tokens_and_duplicate_merges_match_hf(tmp_path):
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = train_bpe(TRAIN_TEXT, vocab_size=300)
+    spec = to_tokenizer_json(tok)
+    for j, text in enumerate(["ab", "abc", "bcd"]):  # overlapping added tokens: HF takes the longest leftmost
+        spec["added_tokens"].append({"id": 300 + j, "content": text, "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": False})
+    spec["model"]["merges"].append(spec["model"]["merges"][0])  # a repeated merge: HF keeps its last rank
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(spec))
+    ours, oracle = load_tokenizer(path), HFTokenizer.from_file(str(path))
+    for text in ["xabcdy", "abcd", "ab bcd abc", "  the  the", *FIXED]:
+        assert ours.encode(text) == oracle.encode(text).ids, text
+
+
+def test_byte_level_detokenizer_on_invalid_utf8(seed):
+    """A byte-only vocabulary makes any byte sequence a token sequence: stray continuations,
+    overlong leads (0xC0), out-of-range leads (0xF5-0xFF), truncated characters."""
+    byte_tok = train_bpe("x", vocab_size=256)
+    rng = random.Random(seed)
+    for _ in range(500):
+        data = bytes(rng.choice([rng.randrange(256), rng.choice(b"\xc0\xc1\xf5\xf8\xff\x80\xbf\xe2\xf0")])
+                     for _ in range(rng.randint(1, 12)))
+        detok = IncrementalDetokenizer(byte_tok)
+        pieces = [detok.step(b) for b in data] + [detok.flush()]
+        assert "".join(pieces) == data.decode("utf-8", errors="replace"), data
+    assert complete_prefix(b"ab\xff") in (2, 3) and complete_prefix(b"\x80") == 1
+
+
+def test_cache_eviction_keeps_results(tok, monkeypatch):
+    from minillm.tokenizer import tokenizer as module
+
+    monkeypatch.setattr(module, "_CACHE_LIMIT", 3)
+    fresh = copy_tok(tok)
+    text = FIXED[1] + " " + FIXED[3]
+    assert fresh.encode(text) == tok.encode(text)
+    assert len(fresh._cache) <= 3
+
+
+def copy_tok(tok):
+    import copy
+
+    fresh = copy.copy(tok)
+    fresh._cache = {}
+    return fresh
+
+
+def test_gguf_control_and_user_defined_tokens(tmp_path):
+    """A GGUF marks added tokens as control (special) or user-defined (matched whole, not special)."""
+    import gguf
+
+    from minillm.tokenizer.byte_level import byte_to_char
+
+    tokens = [byte_to_char()[b] for b in range(256)] + ["<|ctl|>", "<think>", "Ġa"]
+    types = [1] * 256 + [3, 4, 1]
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(["Ġ a"])
+    w.add_eos_token_id(256)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = from_gguf(path)
+    ids = tok.encode("x<|ctl|> a<think>")
+    assert ids == [ord("x") - 33, 256, 258, 257] or ids[-1] == 257
+    assert 256 in ids and 257 in ids and 258 in ids
+    assert tok.decode(ids, skip_special_tokens=True) == "x a<think>"  # user-defined survives the skip
+    assert tok.eos_token == "<|ctl|>"
+
+
+@pytest.mark.parametrize("bad,err", [(None, TypeError), (5, TypeError), ([True], TypeError)])
+def test_decode_type_errors(tok, bad, err):
+    with pytest.raises(err, match="token ids? "):
+        tok.decode(bad)
+
+
+def test_allowed_special_must_be_a_set(tok):
+    with pytest.raises(ValueError, match="allowed_special must be"):
+        tok.encode("hi", allowed_special=123)
+
+
+@pytest.mark.parametrize("spec,match", [
+    ({"model": {"type": "BPE"}}, "vocab"),
+    ([1, 2, 3], "tokenizer.json minillm can read"),
+    ({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}, "added_tokens": [{"content": "<x>"}]}, "id"),
+    ({"model": {"type": "BPE", "vocab": {}, "merges": []}}, "non-empty mapping"),
+])
+def test_malformed_tokenizer_json(tmp_path, spec, match):
+    import json
+
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=match):
+        load_tokenizer(path)
+    (tmp_path / "tokenizer_config.json").write_text("{oops")
+    path.write_text(json.dumps(to_tokenizer_json(train_bpe("aa", vocab_size=256))))
+    with pytest.raises(ValueError, match="tokenizer_config.json is not valid JSON"):
+        load_tokenizer(path)

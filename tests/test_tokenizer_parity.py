@@ -152,7 +152,14 @@ def _variants():
     bos = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
            {"Sequence": {"id": "A", "type_id": 0}}], "pair": [{"Sequence": {"id": "A", "type_id": 0}}],
            "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}}}
+    bos_eos = json.loads(json.dumps(bos))
+    bos_eos["single"].append({"SpecialToken": {"id": "<|im_end|>", "type_id": 0}})
+    bos_eos["special_tokens"]["<|im_end|>"] = {"id": "<|im_end|>", "ids": [2], "tokens": ["<|im_end|>"]}
+    llama3_post = {"type": "Sequence", "processors": [  # Llama 3's own layout: ByteLevel, then the template
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True}, bos]}
     return {
+        "bos-eos-template": {"post_processor": bos_eos},
+        "llama3-sequence-post": {"pre_tokenizer": llama3, "post_processor": llama3_post},
         "llama3-split": {"pre_tokenizer": llama3},
         "qwen2-split-nfc": {"pre_tokenizer": qwen2, "normalizer": {"type": "NFC"}},
         "smollm-digits": {"pre_tokenizer": digits},
@@ -173,3 +180,6 @@ def test_tokenizer_json_variants_match_hf_tokenizers(hf_dir, variant, seed, tmp_
     texts = FIXED + random_texts(seed, 150)
     bad = _first_mismatch(texts, ours.encode, lambda t: oracle.encode(t).ids)
     assert bad is None, f"{variant}, seed {seed}: {bad}"
+    bad = _first_mismatch(texts, lambda t: ours.encode(t, add_special_tokens=False),
+                          lambda t: oracle.encode(t, add_special_tokens=False).ids)
+    assert bad is None, f"{variant} without special tokens, seed {seed}: {bad}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from functools import cache
+from types import MappingProxyType
 
 from ..tokenizer import bpe, count_pairs, load_tokenizer, merge_pair
 from .checker import check
@@ -41,8 +42,16 @@ _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZéüñ東京😀
 
 
 def _random_chunk(rng: random.Random) -> str:
-    """A known word, or a made-up one (BPE must cope with words it never saw)."""
-    if rng.random() < 0.5:
+    """A known word, a made-up one (BPE must cope with words it never saw), or a slice of real text
+    (contractions, numbers after a space, punctuation runs, whitespace, many scripts)."""
+    from ..tokenizer.samples import CODE, COMBINING, EMOJI, NUMBERS, PROSE, SCRIPTS, WHITESPACE
+
+    roll = rng.random()
+    if roll < 0.3:
+        text = rng.choice(PROSE + CODE + NUMBERS + WHITESPACE + EMOJI + SCRIPTS + COMBINING)
+        start = rng.randrange(len(text))
+        return text[start : start + rng.randint(1, 40)]
+    if roll < 0.6:
         return rng.choice(_WORDS)
     return rng.choice(["", " "]) + "".join(rng.choice(_LETTERS) for _ in range(rng.randint(1, 12)))
 
@@ -55,8 +64,9 @@ def check_bpe(fn, cases: int = 200):
 
     def case(rng: random.Random):
         chunk = _random_chunk(rng)
-        return tok.bytes_to_ids(chunk.encode("utf-8")), tok.merges
+        return tok.bytes_to_ids(chunk.encode("utf-8")), merges
 
+    merges = MappingProxyType(tok.merges)  # read-only: a student's function cannot change the real table
     return check("bpe", fn, lambda ids, merges: bpe(list(ids), merges), case, cases=cases)
 
 

@@ -2,8 +2,8 @@
 
 Training (train.py) produced an ordered list of merges: "first join these two tokens, then these".
 Encoding replays that list on a new chunk. Start from one token per byte, then repeatedly find the
-adjacent pair whose merge was learned *earliest* (lowest rank), and join every occurrence of it,
-left to right. Stop when no adjacent pair has a merge. The result is deterministic and reproduces
+adjacent pair whose merge was learned *earliest* (lowest rank) and join it (the leftmost one if it
+occurs twice). Stop when no adjacent pair has a merge. The result is deterministic and reproduces
 exactly how the training run would have cut this chunk.
 
     ids = [b"l", b"o", b"w", b"e", b"r"]   merges: (l,o)->lo rank 3, (lo,w)->low rank 7, (e,r)->er rank 5
@@ -15,12 +15,11 @@ exactly how the training run would have cut this chunk.
 
 from __future__ import annotations
 
+import heapq
 from itertools import pairwise
 
 # (left id, right id) -> (rank, merged id). Rank is the merge's position in the training order.
 Merges = dict[tuple[int, int], tuple[int, int]]
-
-_NO_MERGE = (1 << 62, -1)
 
 
 def merge_pair(ids: list[int], pair: tuple[int, int], new_id: int) -> list[int]:
@@ -41,11 +40,61 @@ def merge_pair(ids: list[int], pair: tuple[int, int], new_id: int) -> list[int]:
 
 
 def bpe(ids: list[int], merges: Merges) -> list[int]:
-    """Apply the merges to one chunk (already one id per byte) until none applies."""
+    """Apply the merges to one chunk (already one id per byte) until none applies.
+
+    One merge per step: the adjacent pair with the lowest rank, the leftmost one on a tie. For
+    merges in training order this equals joining every occurrence at once (what training did); for
+    any other order it is what HF tokenizers and tiktoken do, so it is the rule we follow.
+    """
+    if len(ids) > LONG_CHUNK:
+        return bpe_heap(ids, merges)
+    ids = list(ids)
     while len(ids) >= 2:
-        # the adjacent pair learned earliest; min() over a short list beats a heap for chunk sizes
-        _, new_id, pair = min((merges.get(p, _NO_MERGE) + (p,) for p in pairwise(ids)), key=lambda t: t[0])
-        if new_id < 0:
+        best = min(((merges[p][0], i) for i, p in enumerate(pairwise(ids)) if p in merges), default=None)
+        if best is None:
             break
-        ids = merge_pair(ids, pair, new_id)
+        i = best[1]
+        ids[i : i + 2] = [merges[ids[i], ids[i + 1]][1]]
     return ids
+
+
+# The loop above rescans the chunk after every merge: O(n^2). Chunks are words, so n is small, but a
+# prompt can hold one long run without spaces (base64, a DNA string, minified code). Past this many
+# bytes we switch to the same algorithm with a heap, as HF's Rust BPE does: O(n log n).
+LONG_CHUNK = 64
+
+
+def bpe_heap(ids: list[int], merges: Merges) -> list[int]:
+    """bpe() for long chunks: the symbols in a linked list, the candidate merges in a heap.
+
+    The heap pops the lowest rank first and, for equal ranks (the same pair), the leftmost position,
+    so it merges exactly what the loop merges. An entry whose symbols changed since it was pushed
+    is stale and skipped.
+    """
+    n = len(ids)
+    ids = list(ids)
+    nxt = list(range(1, n + 1))  # index of the next live symbol (n: none)
+    prv = list(range(-1, n - 1))  # index of the previous live symbol (-1: none)
+    alive = [True] * n
+    heap = [(merges[p][0], i, p) for i, p in enumerate(pairwise(ids)) if p in merges]
+    heapq.heapify(heap)
+
+    def push(i: int) -> None:
+        j = nxt[i]
+        if 0 <= i and j < n and (ids[i], ids[j]) in merges:
+            pair = (ids[i], ids[j])
+            heapq.heappush(heap, (merges[pair][0], i, pair))
+
+    while heap:
+        _, i, pair = heapq.heappop(heap)
+        j = nxt[i]
+        if not alive[i] or j >= n or (ids[i], ids[j]) != pair:
+            continue  # stale: one of its symbols was merged away since
+        ids[i] = merges[pair][1]  # symbol i absorbs symbol j
+        alive[j] = False
+        nxt[i] = nxt[j]
+        if nxt[j] < n:
+            prv[nxt[j]] = i
+        push(prv[i])
+        push(i)
+    return [t for t, keep in zip(ids, alive) if keep]

@@ -36,8 +36,9 @@ def complete_prefix(data: bytes) -> int:
 
     Only the last three bytes can belong to an unfinished character, so look back at most three
     bytes for a lead byte; if the character it starts needs more bytes than are there, cut before it.
-    Bytes that can never be valid (stray continuations, 0xF8+) are let through: decode turns them
-    into U+FFFD either way, and holding them back would stall the stream.
+    Stray continuation bytes are let through (decode turns them into U+FFFD either way). Bytes that
+    are never valid leads (0xC0, 0xC1, 0xF5-0xFF) are treated as leads and may wait a step or two:
+    that delays their U+FFFD, never changes it.
     """
     n = len(data)
     for back in range(1, min(3, n) + 1):

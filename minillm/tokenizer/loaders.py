@@ -66,8 +66,10 @@ def from_gguf(path: str | Path) -> Tokenizer:
     # control tokens are special; user-defined ones are matched whole in text but are not special
     added = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (GGUF_CONTROL, GGUF_USER_DEFINED)}
     special = [i for i, ty in enumerate(types) if ty == GGUF_CONTROL]
+    added_ids = set(added.values())
     return Tokenizer(
-        vocab=[unspell(t) for t in tokens],
+        # added tokens are plain text (llama.cpp prints them as is); the rest are byte-level spellings
+        vocab=[t.encode("utf-8") if i in added_ids else unspell(t) for i, t in enumerate(tokens)],
         merges=_merges_from_pairs((line.split(" ", 1) for line in merge_lines), ids, str(path)),
         pre_tokenizer=PreTokenizer(GGUF_PRESETS[pre]),
         added_tokens=added,
@@ -87,6 +89,13 @@ def from_gguf(path: str | Path) -> Tokenizer:
 def from_tokenizer_json(path: str | Path) -> Tokenizer:
     path = Path(path)
     try:
+        return _from_tokenizer_json(path)
+    except (KeyError, TypeError, AttributeError, IndexError) as e:  # a file of the wrong shape
+        raise ValueError(f"{path} is not a tokenizer.json minillm can read ({type(e).__name__}: {e})") from e
+
+
+def _from_tokenizer_json(path: Path) -> Tokenizer:
+    try:
         spec = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not a readable tokenizer.json ({e})") from e
@@ -94,11 +103,15 @@ def from_tokenizer_json(path: str | Path) -> Tokenizer:
     if model.get("type") != "BPE":
         raise ValueError(f"{path}: model type {model.get('type')!r} is not supported; minillm reads BPE")
     vocab_map: dict[str, int] = model["vocab"]
+    if not isinstance(vocab_map, dict) or not vocab_map:
+        raise ValueError(f"{path}: model.vocab must be a non-empty mapping of token -> id")
     _check_decoder(spec.get("decoder"), model, vocab_map, path)
     added_list = spec.get("added_tokens") or []
     for tok in added_list:
         if tok.get("lstrip") or tok.get("rstrip") or tok.get("single_word"):
             raise ValueError(f"{path}: added token {tok['content']!r} uses lstrip/rstrip/single_word, not supported")
+        if tok.get("normalized") and spec.get("normalizer"):
+            raise ValueError(f"{path}: added token {tok['content']!r} is matched after normalization, not supported")
     size = max([*vocab_map.values(), *(t["id"] for t in added_list)]) + 1
     vocab: list[bytes | None] = [None] * size
     for text, i in vocab_map.items():
@@ -189,7 +202,11 @@ def _pre_tokenizer(spec: dict, path: Path) -> PreTokenizer:
 
 
 def _bos_eos(post: dict | None, added: dict[str, int], config: dict):
-    """BOS/EOS ids, and whether encode adds them: from the post-processor template and the config."""
+    """BOS/EOS ids, and whether encode adds them: from the post-processor template and the config.
+
+    Llama 3 wraps its TemplateProcessing in a Sequence (after a ByteLevel step that only fixes
+    offsets), so look inside one.
+    """
 
     def token_id(value):
         if isinstance(value, dict):  # tokenizer_config stores AddedToken dicts in older files
@@ -198,16 +215,20 @@ def _bos_eos(post: dict | None, added: dict[str, int], config: dict):
 
     bos, eos = token_id(config.get("bos_token")), token_id(config.get("eos_token"))
     add_bos = add_eos = False
-    if post and post.get("type") == "TemplateProcessing":
-        single = post.get("single", [])
-        where = [i for i, p in enumerate(single) if "Sequence" in p]
-        for i, piece in enumerate(single):
-            if "SpecialToken" in piece:
-                tid = added.get(piece["SpecialToken"]["id"])
-                if where and i < where[0]:
-                    add_bos, bos = True, tid
-                else:
-                    add_eos, eos = True, tid
+    steps = post.get("processors", []) if post and post.get("type") == "Sequence" else [post] if post else []
+    for step in steps:
+        if step.get("type") == "TemplateProcessing":
+            single = step.get("single", [])
+            first_seq = next((i for i, piece in enumerate(single) if "Sequence" in piece), len(single))
+            for i, piece in enumerate(single):
+                if "SpecialToken" in piece:
+                    tid = added.get(piece["SpecialToken"]["id"])
+                    if i < first_seq:
+                        add_bos, bos = True, tid
+                    else:
+                        add_eos, eos = True, tid
+        elif step.get("type") not in ("ByteLevel",):
+            raise ValueError(f"post-processor {step.get('type')!r} is not supported (TemplateProcessing is)")
     return bos, eos, add_bos, add_eos
 
 
@@ -215,7 +236,10 @@ def _read_config(folder: Path) -> dict:
     config: dict = {}
     cfg = folder / "tokenizer_config.json"
     if cfg.is_file():
-        config = json.loads(cfg.read_text(encoding="utf-8"))
+        try:
+            config = json.loads(cfg.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{cfg} is not valid JSON ({e})") from e
     jinja = folder / "chat_template.jinja"  # newer transformers save the template on its own
     if jinja.is_file() and not config.get("chat_template"):
         config["chat_template"] = jinja.read_text(encoding="utf-8")
@@ -235,5 +259,5 @@ def _merges_from_pairs(pairs, ids: dict[str, int], where: str) -> Merges:
             key, merged = (ids[left], ids[right]), ids[left + right]
         except KeyError as e:
             raise ValueError(f"{where}: merge {rank} ({left!r} {right!r}) names {e.args[0]!r}, not in the vocab") from None
-        merges.setdefault(key, (rank, merged))  # a repeated merge keeps its first (lowest) rank
+        merges[key] = (rank, merged)  # a repeated merge takes its last rank, as in HF's BPE
     return merges

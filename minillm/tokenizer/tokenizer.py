@@ -22,6 +22,7 @@ from .byte_level import spell
 from .pretokenize import PreTokenizer
 
 _CACHE_LIMIT = 200_000  # chunks; a long run sees the same words over and over
+_CACHE_MAX_CHUNK = 256  # characters
 
 
 class Tokenizer:
@@ -203,9 +204,10 @@ class Tokenizer:
             hit = cache.get(chunk)
             if hit is None:
                 hit = bpe(self.bytes_to_ids(chunk.encode("utf-8")), self.merges)
-                if len(cache) >= _CACHE_LIMIT:
-                    cache.clear()
-                cache[chunk] = hit
+                if len(chunk) <= _CACHE_MAX_CHUNK:  # a long run is unlikely to come back: do not cache it
+                    if len(cache) >= _CACHE_LIMIT:
+                        cache.clear()
+                    cache[chunk] = hit
             ids += hit
         return ids
 
@@ -223,7 +225,7 @@ class Tokenizer:
         return self._index
 
     def _check_token_ids(self, ids: Iterable[int]) -> list[int]:
-        if isinstance(ids, (str, bytes)):
+        if isinstance(ids, (str, bytes, int)) or ids is None or not hasattr(ids, "__iter__"):
             raise TypeError(f"token ids must be a sequence of ints, not {type(ids).__name__}")
         if hasattr(ids, "tolist"):  # torch / numpy
             ids = ids.tolist()
@@ -231,6 +233,8 @@ class Tokenizer:
         n = len(self.vocab)
         for pos, i in enumerate(ids):
             try:
+                if isinstance(i, bool):
+                    raise TypeError
                 i = as_int(i)
             except TypeError:
                 raise TypeError(f"token id at position {pos} is a {type(i).__name__}, not an int") from None
@@ -245,7 +249,7 @@ def _as_allowed(allowed_special, added_tokens: dict[str, int]) -> frozenset[str]
         return frozenset(added_tokens)
     if allowed_special in ("none", None):
         return frozenset()
-    if isinstance(allowed_special, str):
+    if isinstance(allowed_special, str) or not hasattr(allowed_special, "__iter__"):
         raise ValueError(f"allowed_special must be 'all', 'none' or a set of added tokens, not {allowed_special!r}")
     allowed = frozenset(allowed_special)
     unknown = sorted(allowed - added_tokens.keys())

@@ -44,7 +44,11 @@ def train_bpe(
     """
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, not {type(text).__name__}")
+    if isinstance(special_tokens, str):
+        raise TypeError("special_tokens must be a list of strings, not one string")
     special_tokens = list(special_tokens)
+    if len(set(special_tokens)) != len(special_tokens) or not all(isinstance(t, str) and t for t in special_tokens):
+        raise ValueError(f"special_tokens must be distinct non-empty strings, got {special_tokens}")
     if vocab_size < 256 + len(special_tokens):
         raise ValueError(f"vocab_size must be at least 256 + {len(special_tokens)} special tokens, not {vocab_size}")
     pre = PreTokenizer((pattern,))

@@ -1,0 +1,203 @@
+"""ModelConfig: every number the forward pass needs, read from a GGUF header or a config.json.
+
+One config covers the Llama family as minillm supports it. The families differ in a few switches:
+
+    llama   (Llama 2/3)  optional llama3 RoPE scaling, optional attention/MLP biases
+    mistral              a sliding attention window
+    qwen2                biases on q, k and v (not o); sliding window on some layers, if enabled
+    qwen3                RMSNorm on each query and key head (q_norm, k_norm); head_dim set explicitly
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+SUPPORTED = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass
+class ModelConfig:
+    architecture: str  # llama | mistral | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor": ..., ...}
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # per layer: the attention window in tokens, or None for full causal attention
+    sliding_windows: list[int | None] = field(default_factory=list)
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    name: str = ""
+
+    def __post_init__(self):
+        if not self.sliding_windows:
+            self.sliding_windows = [None] * self.num_layers
+        self.validate()
+
+    def validate(self) -> None:
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                  "head_dim", "max_position_embeddings"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"config {f} must be a positive int, not {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, not {self.head_dim}")
+        if self.architecture not in SUPPORTED.values():
+            raise ValueError(f"architecture {self.architecture!r} is not supported; supported: {sorted(SUPPORTED.values())}")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope scaling {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        if len(self.sliding_windows) != self.num_layers:
+            raise ValueError(f"sliding_windows has {len(self.sliding_windows)} entries for {self.num_layers} layers")
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * h
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h + (2 * d if self.qk_norm else 0)
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def with_(self, **changes) -> ModelConfig:
+        return replace(self, **changes)
+
+    # ---- readers -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, cfg: dict, generation_config: dict | None = None, name: str = "") -> ModelConfig:
+        """From a Hugging Face config.json (transformers 4 or 5 layout)."""
+        archs = cfg.get("architectures") or []
+        arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
+        if arch is None:
+            arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(cfg.get("model_type"))
+        if arch is None:
+            raise ValueError(f"model {archs or cfg.get('model_type')!r} is not supported; supported: {sorted(SUPPORTED)}")
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        # transformers 5 writes rope_parameters={"rope_theta":..., "rope_type":...}; 4 wrote rope_theta + rope_scaling
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = rope or cfg.get("rope_scaling")
+        if scaling is not None:
+            scaling = dict(scaling)
+            scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+            if scaling["rope_type"] == "default":
+                scaling = None
+        layers = cfg["num_hidden_layers"]
+        eos = (generation_config or {}).get("eos_token_id", cfg.get("eos_token_id"))
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_bias=arch != "qwen2" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "qwen3",
+            sliding_windows=_sliding_windows(arch, cfg, layers),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            name=name,
+        )
+
+    @classmethod
+    def from_gguf(cls, meta: dict, name: str = "") -> ModelConfig:
+        """From a GGUF header (llama.cpp's key names: '{arch}.block_count', ...)."""
+        arch = meta.get("general.architecture")
+        if arch != "llama":
+            raise ValueError(f"GGUF architecture {arch!r} is not supported; minillm reads 'llama' GGUF files")
+
+        def get(key, default=None):
+            value = meta.get(f"{arch}.{key}", default)
+            if value is None:
+                raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+            return value
+
+        heads = get("attention.head_count")
+        hidden = get("embedding_length")
+        vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            architecture="llama",
+            vocab_size=int(vocab),
+            hidden_size=int(hidden),
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=int(heads),
+            num_kv_heads=int(get("attention.head_count_kv", heads)),
+            head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+            max_position_embeddings=int(get("context_length")),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            tie_word_embeddings=True,  # corrected by the loader when the file has output.weight
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=[int(eos)] if eos is not None else [],
+            name=name or str(meta.get("general.name", "")),
+        )
+
+
+def _sliding_windows(arch: str, cfg: dict, layers: int) -> list[int | None]:
+    window = cfg.get("sliding_window")
+    if window is None:
+        return [None] * layers
+    if "layer_types" in cfg:  # transformers 5 spells it out per layer
+        return [window if t == "sliding_attention" else None for t in cfg["layer_types"]]
+    if arch == "qwen2" or arch == "qwen3":  # older configs: a switch and the first layer that slides
+        if not cfg.get("use_sliding_window", False):
+            return [None] * layers
+        first = cfg.get("max_window_layers", layers)
+        return [window if i >= first else None for i in range(layers)]
+    return [window] * layers  # mistral
+
+
+# Real shapes for speed work with dummy weights (load_format="dummy"): from each model's config.json.
+PRESETS = {
+    "smollm2-135m": dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
+                         rms_norm_eps=1e-5, rope_theta=1e5, tie_word_embeddings=True),
+    "qwen3-0.6b": dict(architecture="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, max_position_embeddings=40960,
+                       rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, qk_norm=True),
+    "llama-3-8b": dict(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
+                       rms_norm_eps=1e-5, rope_theta=5e5),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    return ModelConfig(**PRESETS[name], name=name)

@@ -1,0 +1,64 @@
+"""Rotary position embedding (RoPE; Su et al., 2021), with Llama 3's frequency scaling.
+
+RoPE encodes a token's position by rotating pairs of its query and key coordinates by angles
+position x theta_i, with theta_i = base^(-2i / head_dim). The dot product of a rotated query and a
+rotated key then depends only on their distance. Llama-family checkpoints pair coordinate i with
+i + head_dim/2 (the "rotate half" layout):
+
+    q' = q * cos + rotate_half(q) * sin,   rotate_half([a, b]) = [-b, a]
+
+cos/sin for every position are computed once, in fp32, into a cache.
+
+Llama 3.1 stretches the low frequencies for long contexts (rope_type "llama3"): wavelengths longer
+than original_context / low_freq_factor are divided by `factor`, shorter than
+original_context / high_freq_factor are kept, and the band between is interpolated smoothly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def inverse_frequencies(head_dim: int, base: float, scaling: dict | None = None) -> torch.Tensor:
+    """theta_i = base^(-2i/head_dim) for i in [0, head_dim/2), with Llama 3 scaling if asked."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling and scaling.get("rope_type") == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        inv_freq = torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict | None = None):
+        super().__init__()
+        self.head_dim, self.max_positions, self.base, self.scaling = head_dim, max_positions, base, scaling
+        self.compute_cache()
+
+    def compute_cache(self, device: torch.device | str | None = None) -> None:
+        """cos/sin of position x frequency for every position, in fp32 (a computed buffer, never loaded)."""
+        inv_freq = inverse_frequencies(self.head_dim, self.base, self.scaling).to(device)  # [head_dim/2]
+        freqs = torch.arange(self.max_positions, dtype=torch.float32, device=device)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.register_buffer("cos_cache", emb.cos(), persistent=False)
+        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # positions: [T]; q: [T, num_heads, head_dim]; k: [T, num_kv_heads, head_dim]
+        cos = self.cos_cache[positions].to(q.dtype)[:, None, :]  # [T, 1, head_dim]
+        sin = self.sin_cache[positions].to(q.dtype)[:, None, :]
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -1,0 +1,139 @@
+"""LLM: minillm's front door, shaped like vLLM's.
+
+    llm = LLM()                                               # the embedded SmolLM2-135M-Instruct
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=20))
+    out[0].outputs[0].text
+    llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(temperature=0))
+
+Requests run one after another through generation.py (no KV cache yet: chapter 03). Everything a
+request carries is checked before any request runs, so one bad prompt fails fast with a clear error.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from .generation import generate_sequences
+from .loader import load_model
+from .outputs import RequestOutput
+from .sampling import Sampler, SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _device(device) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', not {device!r}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device is 'cuda' but no CUDA GPU is available; use device='cpu'")
+    return dev
+
+
+def _dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype in (None, "auto"):  # bf16 where matrix units have it; fp32 on a CPU
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, not {dtype!r}")
+
+
+class LLM:
+    def __init__(self, model=None, dtype="auto", device="auto", load_format: str = "auto"):
+        self.device = _device(device)
+        self.dtype = _dtype(dtype, self.device)
+        self.model, self.config, self.tokenizer = load_model(model, dtype=self.dtype, device=self.device,
+                                                             load_format=load_format)
+        if self.tokenizer is None:
+            raise ValueError("dummy weights have no tokenizer: use LLM only with real models")
+        eos = self.config.eos_token_ids or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
+        self.eos_token_ids = sorted(set(eos))
+        self.sampler = Sampler()
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a str, a list of str, or {"prompt_token_ids": [...]} dicts (or a list of them)."""
+        requests = self._prepare(prompts, sampling_params)
+        outputs = []
+        for prompt, ids, params in tqdm(requests, desc="generating", disable=not use_tqdm or len(requests) < 2):
+            *_, seqs = generate_sequences(self.model, self.tokenizer, ids, params, self.eos_token_ids, self.sampler)
+            outputs.append(RequestOutput(str(next(self._ids)), prompt, ids, [s.to_output() for s in seqs]))
+        return outputs
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True):
+        """messages: one conversation (a list of {"role", "content"} dicts) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(conversations, list) or not conversations:
+            raise ValueError("messages must be a conversation (list of {'role', 'content'} dicts) or a list of them")
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Text of one completion as it is generated (n must be 1): what `minillm generate` prints."""
+        [(_, ids, params)] = self._prepare([prompt], sampling_params)
+        if params.n != 1:
+            raise ValueError(f"stream() makes one completion; n must be 1, not {params.n}")
+        for (seq,) in generate_sequences(self.model, self.tokenizer, ids, params, self.eos_token_ids, self.sampler):
+            if delta := seq.stream_delta():
+                yield delta
+
+    # ---- checking input -------------------------------------------------------------------------
+
+    def _prepare(self, prompts, sampling_params):
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a str, a {'prompt_token_ids': [...]} dict, or a non-empty list of them")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        out = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, not {type(p).__name__}")
+            text, ids = self._prompt_ids(i, prompt)
+            self._check_length(i, len(ids), p)
+            out.append((text, ids, p))
+        return out
+
+    def _prompt_ids(self, i: int, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            ids = prompt.get("prompt_token_ids")
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise TypeError(f"prompts[{i}]['prompt_token_ids'] must be a list of ints")
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"prompts[{i}] has token ids outside the vocabulary (0..{self.config.vocab_size - 1}): {bad[:5]}")
+            text = None
+        elif isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            raise TypeError(f"prompts[{i}] must be a str or a {{'prompt_token_ids': [...]}} dict, not {type(prompt).__name__}")
+        if not ids:
+            raise ValueError(f"prompts[{i}] is empty: a prompt needs at least one token")
+        return text, ids
+
+    def _check_length(self, i: int, n: int, p: SamplingParams) -> None:
+        ctx = self.config.max_position_embeddings
+        want = n + (p.max_tokens or 1)
+        if n >= ctx or want > ctx:
+            raise ValueError(f"prompts[{i}] has {n} tokens and asks for up to {p.max_tokens} more, but the model's "
+                             f"context is {ctx} tokens; shorten the prompt or lower max_tokens")

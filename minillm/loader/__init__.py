@@ -1,0 +1,127 @@
+"""Loading a model: from a GGUF file, a Hugging Face folder, a hub id, or as dummy weights.
+
+    model, config, tokenizer = load_model(None)                     # the embedded SmolLM2 (GGUF)
+    model, config, tokenizer = load_model("path/to/hf-folder")
+    model, config, tokenizer = load_model("qwen3-0.6b", load_format="dummy")   # real shapes, random weights
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig, preset
+from ..layers import RotaryEmbedding
+from ..model_files import embedded_model_path
+from ..models import MODELS
+
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+
+
+def load_model(source=None, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               load_format: str = "auto", tokenizer: bool = True):
+    """-> (model in eval mode, its ModelConfig, its Tokenizer or None)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, not {load_format!r}")
+    device = torch.device(device)
+    if load_format == "dummy":
+        return _dummy(source, dtype, device)
+    path = _resolve(source)
+    if path.is_file() and path.suffix == ".gguf":
+        from . import gguf_loader
+
+        config = gguf_loader.read_config(path, name=path.stem)
+        weights = gguf_loader.iter_weights(path, config, dtype, device)
+    elif path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").is_file() and ggufs:
+            return load_model(ggufs[0], dtype=dtype, device=device, tokenizer=tokenizer)
+        from . import hf_loader
+
+        config = hf_loader.read_config(path)
+        weights = hf_loader.iter_weights(path, dtype, device)
+    else:
+        raise ValueError(f"cannot load a model from {path}: expected a .gguf file or a Hugging Face model folder")
+    model = _build(config, dtype, device)
+    with torch.no_grad():
+        model.load_weights(weights)
+    tok = None
+    if tokenizer:
+        from ..tokenizer import load_tokenizer
+
+        tok = load_tokenizer(path)
+    return model.eval(), config, tok
+
+
+def _build(config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    # Build on the "meta" device (no memory), then allocate empty storage on the target: no time is
+    # spent on a random init that the checkpoint overwrites anyway.
+    with torch.device("meta"):
+        model = MODELS[config.architecture](config)
+    model = model.to_empty(device=device).to(dtype)
+    for module in model.modules():  # buffers (RoPE's cos/sin) are computed, not loaded
+        if isinstance(module, RotaryEmbedding):
+            module.compute_cache(device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def _dummy(source, dtype, device):
+    """Random weights for any config, the way vLLM's load_format="dummy" works: for speed work."""
+    if isinstance(source, ModelConfig):
+        config = source
+    elif isinstance(source, str) and not Path(source).exists():
+        config = preset(source)
+    else:
+        path = _resolve(source)
+        config = _config_of(path)
+    model = _build(config, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:  # small values keep activations finite through many layers
+                p.uniform_(-1e-2, 1e-2, generator=gen)
+    return model.eval(), config, None
+
+
+def _config_of(path: Path) -> ModelConfig:
+    if path.suffix == ".gguf":
+        from . import gguf_loader
+
+        return gguf_loader.read_config(path, name=path.stem)
+    from . import hf_loader
+
+    return hf_loader.read_config(path)
+
+
+def _resolve(source) -> Path:
+    if source is None:
+        return embedded_model_path()
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"model must be a path, a hub id or None, not {type(source).__name__}")
+    path = Path(source).expanduser()
+    if path.exists():
+        return path
+    if isinstance(source, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", source):
+        return _download(source)
+    raise FileNotFoundError(f"no model at {str(source)!r}: give a .gguf file, a Hugging Face folder or a hub id")
+
+
+def _download(repo_id: str) -> Path:
+    """A hub id ('org/name'): fetch its config, safetensors and tokenizer files (needs a network)."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise FileNotFoundError(f"{repo_id!r} is not a local path, and huggingface_hub is not installed "
+                                "to download it (pip install huggingface_hub)") from None
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja"]))
+    except Exception as e:
+        raise FileNotFoundError(f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}: "
+                                f"{str(e)[:200]}); without a network, pass a local .gguf file or model folder") from e

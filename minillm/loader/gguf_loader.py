@@ -1,0 +1,79 @@
+"""Loading a Llama model from a GGUF file (the embedded SmolLM2 by default).
+
+GGUF names tensors llama.cpp's way (`blk.3.attn_q.weight`); we rename them to Hugging Face's
+(`model.layers.3.self_attn.q_proj.weight`) and hand them to the model's `load_weights`, so one code
+path fills the model whatever the file.
+
+One more difference: llama.cpp's RoPE rotates adjacent pairs (0,1), (2,3), ... while Hugging Face's
+rotates (i, i + head_dim/2). Its converter reorders the rows of q and k within each head to make up
+for that; we undo the reordering so the model can use the Hugging Face layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import ModelConfig
+from ..gguf_meta import open_gguf, read_gguf_metadata
+from .dequant import dequantize
+
+_LAYER = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def hf_name(gguf_name: str) -> str:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+    return f"{_TOP[parts[0]]}.{parts[1]}"
+
+
+def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row order for q/k.
+
+    Its converter viewed each head's rows as [2, D/2] (first half, second half) and transposed to
+    [D/2, 2], interleaving the halves; we view them as [D/2, 2] and transpose back.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def read_config(path: str | Path, name: str = "") -> ModelConfig:
+    config = ModelConfig.from_gguf(read_gguf_metadata(path), name=name)
+    has_output = any(t.name == "output.weight" for t in open_gguf(path).tensors)
+    return config.with_(tie_word_embeddings=not has_output)
+
+
+def iter_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor in `dtype` on `device`) for every tensor of the file, dequantized on `device`."""
+    for t in open_gguf(path).tensors:
+        kind = t.tensor_type.name
+        shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists the fastest dimension first
+        try:
+            data = np.asarray(t.data)
+        except Exception as e:
+            raise ValueError(f"GGUF tensor {t.name} cannot be read (truncated file?): {e}") from e
+        if kind in ("F32", "F16", "BF16"):
+            raw = torch.from_numpy(data.copy()).to(device)
+            if kind == "BF16":
+                raw = raw.view(torch.bfloat16)
+            w = raw.reshape(shape)
+        else:
+            w = dequantize(torch.from_numpy(data.copy()).to(device), kind, shape)
+        name = hf_name(t.name)
+        if name.endswith("q_proj.weight"):
+            w = unpermute(w, config.num_heads)
+        elif name.endswith("k_proj.weight"):
+            w = unpermute(w, config.num_kv_heads)
+        yield name, w.to(dtype)

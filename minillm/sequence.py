@@ -1,0 +1,95 @@
+"""Sequence: one completion being generated, and the rules that end it.
+
+A request with n = 3 becomes three Sequences that share the prompt. Each keeps its own output ids,
+its own text (through the incremental detokenizer of chapter 01) and its own random seed, and
+after every new token checks, in this order:
+
+    stop token id -> "stop" (stop_reason = the id)        EOS (unless ignore_eos) -> "stop"
+    stop string in the text -> "stop", the text cut before it (stop_reason = the string)
+    max_tokens reached, or the context full -> "length"
+
+A stop string can straddle tokens ("Hel" + "lo."); checking the text, not the tokens, finds it.
+"""
+
+from __future__ import annotations
+
+from .outputs import CompletionOutput, Logprob
+from .sampling import SamplingParams
+from .tokenizer import IncrementalDetokenizer
+
+
+class Sequence:
+    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams, seed: int, tokenizer,
+                 eos_ids: list[int], max_len: int):
+        self.index, self.prompt_ids, self.params, self.seed = index, prompt_ids, params, seed
+        self.output_ids: list[int] = []
+        self.eos_ids = [] if params.ignore_eos else list(eos_ids)
+        self.max_len = max_len  # prompt + output may not exceed this (the model's context)
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self._streamed = 0  # characters of text already handed to a stream
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def banned_tokens(self) -> list[int]:
+        """Tokens that may not be sampled now: EOS and stop tokens before min_tokens are out."""
+        if len(self.output_ids) < self.params.min_tokens:
+            return self.eos_ids + self.params.stop_token_ids
+        return []
+
+    def append(self, token_id: int, logprob: float | None = None, entry: dict[int, Logprob] | None = None) -> None:
+        self.output_ids.append(token_id)
+        if logprob is not None:
+            self.cumulative_logprob += logprob
+        if self.logprobs is not None and entry is not None:
+            self.logprobs.append(entry)
+        before = len(self.text)
+        self.text += self.detok.step(token_id)
+        self._check_stop(token_id, before)
+        if self.finished and not isinstance(self.stop_reason, str):
+            self.text += self.detok.flush()  # an unfinished character at the end becomes U+FFFD, as in decode
+
+    def _check_stop(self, token_id: int, before: int) -> None:
+        p = self.params
+        if len(self.output_ids) >= p.min_tokens:
+            if token_id in p.stop_token_ids:
+                self.finish_reason, self.stop_reason = "stop", token_id
+                return
+            if token_id in self.eos_ids:
+                self.finish_reason = "stop"
+                return
+            for stop in p.stop:
+                # a new match must end in the text this token added
+                at = self.text.find(stop, max(0, before - len(stop) + 1))
+                if at >= 0:
+                    self.text = self.text[: at + len(stop) if p.include_stop_str_in_output else at]
+                    self.finish_reason, self.stop_reason = "stop", stop
+                    return
+        if (p.max_tokens is not None and len(self.output_ids) >= p.max_tokens) or len(self.token_ids) >= self.max_len:
+            self.finish_reason = "length"
+
+    def stream_delta(self) -> str:
+        """New text that is safe to show: held back by (longest stop string - 1) characters until the
+        end, so a stop string that is still forming is never printed."""
+        end = len(self.text) if self.finished else max(self._streamed, len(self.text) - self._holdback)
+        delta = self.text[self._streamed : end]
+        self._streamed = end
+        return delta
+
+    def to_output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index, text=self.text, token_ids=list(self.output_ids),
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=self.logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+        )

@@ -1,0 +1,202 @@
+"""Chapter 02's sampler: the filters equal HF's logits processors row by row, sampled frequencies
+match the exact filtered distribution, a seed's tokens do not depend on the batch, and stop rules
+(strings that straddle tokens included) end a completion at the right character."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from minillm.sampling import Sampler, SamplingMetadata, SamplingParams, filtered_probs, uniforms
+from minillm.sequence import Sequence
+
+V = 64
+
+
+def _meta(params, seeds=None, steps=None, prompts=None, outputs=None, banned=None, vocab=V):
+    B = len(params)
+    outputs = outputs or [[] for _ in range(B)]
+    m = SamplingMetadata.build(params, prompts or [[] for _ in range(B)], outputs, seeds or list(range(B)),
+                               banned or [[] for _ in range(B)], vocab, "cpu")
+    if steps is not None:
+        m.steps = torch.tensor(steps)
+    return m
+
+
+def _hf_filtered(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The oracle: HF's own warpers, in generate's order, for one row."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    scores = row[None].clone()
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    if p.temperature not in (0, 1):
+        scores = TemperatureLogitsWarper(p.temperature)(ids, scores)
+    if p.top_k > 0:
+        scores = TopKLogitsWarper(p.top_k)(ids, scores)
+    if p.top_p < 1:
+        scores = TopPLogitsWarper(p.top_p)(ids, scores)
+    if p.min_p > 0:
+        scores = MinPLogitsWarper(p.min_p)(ids, scores)
+    return torch.softmax(scores, -1)[0]
+
+
+def _random_params(rng: random.Random) -> SamplingParams:
+    return SamplingParams(temperature=rng.choice([0.3, 0.7, 1.0, 1.5]), top_k=rng.choice([0, 1, 5, 20, V]),
+                          top_p=rng.choice([1.0, 0.9, 0.5, 0.1]), min_p=rng.choice([0.0, 0.05, 0.2]))
+
+
+def test_filters_equal_hf_warpers_per_row(seed):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    params = [_random_params(rng) for _ in range(32)]
+    logits = torch.randn(32, V) * 3
+    probs = filtered_probs(logits, _meta(params))
+    for i, p in enumerate(params):
+        assert torch.allclose(probs[i], _hf_filtered(logits[i], p), atol=1e-6), p
+
+
+def test_penalties_equal_hf_and_openai(seed):
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from minillm.sampling import apply_penalties
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    prompt = [rng.randrange(V) for _ in range(10)]
+    output = [rng.randrange(V) for _ in range(15)]
+    logits = torch.randn(1, V) * 3
+    p = SamplingParams(repetition_penalty=1.3)
+    ours = apply_penalties(logits, _meta([p], prompts=[prompt], outputs=[output]))
+    theirs = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + output]), logits.clone())
+    assert torch.allclose(ours, theirs)
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    ours = apply_penalties(logits, _meta([p], prompts=[prompt], outputs=[output]))
+    counts = torch.bincount(torch.tensor(output), minlength=V).float()
+    assert torch.allclose(ours[0], logits[0] - 0.25 * counts - 0.5 * (counts > 0).float())
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=8),
+    SamplingParams(temperature=1.2, top_p=0.8),
+    SamplingParams(temperature=1.0, min_p=0.1),
+    SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02),
+])
+def test_sampled_frequencies_match_the_filtered_distribution(params):
+    """N draws of one row (steps 0..N-1, a fixed seed): every token's count lies within 5 standard
+    deviations of N*p (a false alarm has probability < 1e-4 over the whole test), and tokens the
+    filters removed never appear."""
+    torch.manual_seed(1234)
+    N = 40_000
+    logits = torch.randn(V) * 2
+    exact = filtered_probs(logits[None], _meta([params]))[0].double()
+    meta = _meta([params] * N, seeds=[777] * N, steps=list(range(N)))
+    tokens = Sampler()(logits.expand(N, V).clone(), meta).token_ids
+    counts = torch.bincount(tokens, minlength=V).double()
+    assert counts[exact == 0].sum() == 0
+    sd = (N * exact * (1 - exact)).sqrt()
+    worst = ((counts - N * exact).abs() / sd.clamp_min(1e-9))[exact > 0].max().item()
+    assert worst < 5, worst
+
+
+def test_seeded_rows_do_not_depend_on_the_batch(seed):
+    torch.manual_seed(seed)
+    logits = torch.randn(5, V)
+    params = [SamplingParams(temperature=1.0, top_p=0.9) for _ in range(5)]
+    seeds = [11, 22, 33, 44, 55]
+    together = Sampler()(logits, _meta(params, seeds=seeds, steps=[3] * 5)).token_ids
+    for i in range(5):
+        alone = Sampler()(logits[i:i + 1], _meta(params[i:i + 1], seeds=seeds[i:i + 1], steps=[3])).token_ids
+        assert alone.item() == together[i].item()
+
+
+def test_uniforms_are_uniform_and_deterministic():
+    u = uniforms(torch.tensor([5, 6]), torch.tensor([0, 0]), 100_000)
+    assert torch.equal(u, uniforms(torch.tensor([5, 6]), torch.tensor([0, 0]), 100_000))
+    assert 0 < u.min() and u.max() < 1
+    for row in u:
+        assert abs(row.mean().item() - 0.5) < 5 * math.sqrt(1 / 12 / 1e5)
+        hist = torch.histc(row, bins=10, min=0, max=1)
+        assert (hist - 1e4).abs().max() < 5 * math.sqrt(1e4 * 0.9)
+    assert (u[0] - u[1]).abs().mean() > 0.3  # different seeds, unrelated numbers
+    if torch.cuda.is_available():  # the same numbers on a GPU
+        assert torch.equal(u, uniforms(torch.tensor([5, 6]).cuda(), torch.tensor([0, 0]).cuda(), 100_000).cpu())
+
+
+def test_greedy_min_tokens_and_logprobs():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]])
+    out = Sampler()(logits, _meta([SamplingParams(temperature=0, logprobs=2)], vocab=4))
+    assert out.token_ids.item() == 1 and out.ranks.item() == 1
+    assert math.isclose(out.logprobs.item(), torch.log_softmax(logits, -1)[0, 1].item(), rel_tol=1e-6)
+    assert out.top_ids[0].tolist() == [1, 3]
+    banned = Sampler()(logits, _meta([SamplingParams(temperature=0)], banned=[[1]], vocab=4))
+    assert banned.token_ids.item() == 3
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-0.1), "temperature must be >= 0"),
+    (dict(top_p=0), "top_p must be in"), (dict(top_p=1.5), "top_p must be in"),
+    (dict(top_k=-2), "top_k must be"), (dict(min_p=2), "min_p must be"),
+    (dict(n=0), "n must be"), (dict(max_tokens=0), "max_tokens must be"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(presence_penalty=3), "presence_penalty"), (dict(stop=[""]), r"stop\[0\]"),
+    (dict(logprobs=100), "logprobs must be"), (dict(seed=-1), "seed must be"),
+    (dict(temperature=float("nan")), "temperature"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(n=1.5), "n must be an int"), (dict(temperature="hot"), "temperature must be a number"),
+                                          (dict(ignore_eos="yes"), "ignore_eos must be a bool")])
+def test_wrong_types_name_the_field(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        SamplingParams(**kwargs)
+
+
+# ---- stopping ----------------------------------------------------------------------------------
+
+
+def _feed(tok, text: str, params: SamplingParams, eos=(2,)):
+    seq = Sequence(0, [1], params, 0, tok, list(eos), 10_000)
+    shown = ""
+    for t in tok.encode(text):
+        seq.append(t)
+        shown += seq.stream_delta()
+        if seq.finished:
+            break
+    return seq, shown
+
+
+def test_stop_string_straddling_tokens(tok):
+    text = "Hello world. The end is near."
+    stop = "world. The"
+    ids = tok.encode(text)
+    pieces = [tok.decode([i]) for i in ids]
+    assert not any(stop in p for p in pieces)  # no single token holds it: it spans several
+    seq, shown = _feed(tok, text, SamplingParams(stop=[stop], max_tokens=100))
+    assert (seq.text, seq.finish_reason, seq.stop_reason) == ("Hello ", "stop", stop)
+    assert shown == "Hello "  # the half-formed stop string was never streamed
+    seq, _ = _feed(tok, text, SamplingParams(stop=[stop], include_stop_str_in_output=True, max_tokens=100))
+    assert seq.text == "Hello world. The"
+
+
+def test_stop_tokens_eos_and_length(tok):
+    ids = tok.encode("one two three four")
+    seq, _ = _feed(tok, "one two three four", SamplingParams(stop_token_ids=[ids[2]], max_tokens=100))
+    assert seq.finish_reason == "stop" and seq.stop_reason == ids[2] and seq.output_ids == ids[:3]
+    seq, _ = _feed(tok, "one two<|im_end|> three", SamplingParams(max_tokens=100))
+    assert seq.finish_reason == "stop" and seq.text == "one two" and seq.stop_reason is None
+    seq, _ = _feed(tok, "one two<|im_end|> three", SamplingParams(max_tokens=100, ignore_eos=True))
+    assert seq.finish_reason is None
+    seq, _ = _feed(tok, "one two three four", SamplingParams(max_tokens=2))
+    assert seq.finish_reason == "length" and len(seq.output_ids) == 2

@@ -1,0 +1,52 @@
+"""Tiny random checkpoints of every supported family, written by transformers' own save_pretrained
+(so the HF-folder loader reads real files), each with a small BPE tokenizer minillm trained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 320
+_BASE = dict(hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-5)
+
+FAMILIES = {
+    # Llama 3.1-style: llama3 RoPE scaling, biases on, untied head
+    "llama3": ("LlamaConfig", dict(rope_theta=500000.0, attention_bias=True, mlp_bias=True,
+                                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama2-tied": ("LlamaConfig", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(sliding_window=8)),  # a window shorter than the test sequences
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=24, num_attention_heads=6, num_key_value_heads=2)),
+}
+
+
+def make_tiny(family: str, folder: Path, max_shard_size: str | None = None) -> Path:
+    import transformers
+
+    from minillm.tokenizer import save_tokenizer_json, train_bpe
+    from minillm.tokenizer.samples import FIXED
+
+    cls_name, extra = FAMILIES[family]
+    cfg = getattr(transformers, cls_name)(**(_BASE | extra))
+    if cls_name == "Qwen3Config":
+        cfg.hidden_size = 64
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # HF initialises with std 0.02; larger weights make the test less forgiving
+        for p in model.parameters():
+            if p.dim() >= 1:
+                p.normal_(0, 0.2 if p.dim() > 1 else 0.5).add_(1.0 if p.dim() == 1 else 0.0)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    tok = train_bpe("\n".join(FIXED) * 2, vocab_size=VOCAB, special_tokens=["<|end|>"])
+    save_tokenizer_json(tok, folder / "tokenizer.json")
+    return folder
+
+
+def hf_model(folder: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
