@@ -132,3 +132,34 @@ def test_sharded_checkpoint_was_sharded(tiny):
     if family == "llama3":
         assert (folder / "model.safetensors.index.json").is_file()
         assert len(list(folder.glob("*.safetensors"))) > 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the GPU machine)")
+def test_smollm2_on_cuda_matches_hf(smollm_hf):
+    """The same model on the GPU, fp32: logits within tolerance, greedy tokens identical to HF there."""
+    llm = LLM(dtype="float32", device="cuda")
+    hf = smollm_hf.to("cuda")
+    try:
+        tok = llm.tokenizer
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three colours."}]))
+        (ours,) = _packed_logits_on(llm.model, [prompt], "cuda")
+        with torch.inference_mode():
+            theirs = hf(torch.tensor([prompt], device="cuda")).logits[0].float()
+        assert (ours - theirs).abs().max().item() < ATOL_FP32
+        got = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        with torch.inference_mode():
+            want = hf.generate(torch.tensor([prompt], device="cuda"), do_sample=False, max_new_tokens=GREEDY_STEPS,
+                               min_new_tokens=GREEDY_STEPS, pad_token_id=0)[0, len(prompt):].tolist()
+        assert got == want
+    finally:
+        smollm_hf.to("cpu")
+
+
+def _packed_logits_on(model, seqs, device):
+    lens = [len(s) for s in seqs]
+    meta = AttentionMetadata.from_seq_lens(lens, device)
+    ids = torch.tensor([t for s in seqs for t in s], device=device)
+    pos = torch.cat([torch.arange(n) for n in lens]).to(device)
+    with torch.inference_mode():
+        return list(model.compute_logits(model(ids, pos, meta)).split(lens))

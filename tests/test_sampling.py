@@ -118,6 +118,13 @@ def test_seeded_rows_do_not_depend_on_the_batch(seed):
         assert alone.item() == together[i].item()
 
 
+def test_uniforms_never_reach_0_or_1():
+    from minillm.sampling.rng import to_unit
+
+    edges = to_unit(torch.tensor([0, 1, 511, 512, 0xFFFFFE00, 0xFFFFFFFF], dtype=torch.int64))
+    assert (edges > 0).all() and (edges < 1).all(), edges  # -log(u) must be finite and positive
+
+
 def test_uniforms_are_uniform_and_deterministic():
     u = uniforms(torch.tensor([5, 6]), torch.tensor([0, 0]), 100_000)
     assert torch.equal(u, uniforms(torch.tensor([5, 6]), torch.tensor([0, 0]), 100_000))

@@ -40,4 +40,13 @@ def uniforms(seeds: torch.Tensor, steps: torch.Tensor, n: int) -> torch.Tensor:
     key = row_keys(seeds.long(), steps.long())[:, None]  # [rows, 1]
     col = torch.arange(n, device=seeds.device, dtype=torch.int64)[None, :]  # [1, n]
     h = mix32(mix32(key ^ (col * 0x9E3779B9)) + key)  # [rows, n]
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in float32, never 0 or 1
+    return to_unit(h)
+
+
+def to_unit(h: torch.Tensor) -> torch.Tensor:
+    """32-bit integers -> float32 in the open interval (0, 1), evenly spaced.
+
+    Keep 23 bits and add one half: (k + 0.5) / 2^23 needs 24 significant bits, exactly what float32
+    has, so the largest value is 1 - 2^-24, never 1 (with 24 bits, k + 0.5 would round up to 2^24).
+    """
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
