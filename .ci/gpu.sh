@@ -25,7 +25,7 @@ case "$1" in
   run)
     out=$2; mkdir -p "$out"
     python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target $SITE --upgrade .
-    python3 -m pytest tests/ -q -n 8 -rs -p no:cacheprovider --ignore=tests/test_site.py --ignore=tests/test_notebook_files.py \
+    python3 -m pytest tests/ -q -n 8 -rfEs -p no:cacheprovider --ignore=tests/test_site.py --ignore=tests/test_notebook_files.py \
       2>&1 | tee "$out/pytest-gpu.log" || true
     python3 -m minillm.nbrun notebooks/[0-9]*.ipynb notebooks/labs/[0-9]*.ipynb 2>&1 | tee "$out/notebooks.log" || true
     tar czf "$out/notebooks.tgz" notebooks/*.ipynb notebooks/labs/*.ipynb
