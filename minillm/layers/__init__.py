@@ -7,6 +7,6 @@ references those kernels are tested against.
 from .activation import SiluAndMul
 from .attention import Attention, AttentionMetadata
 from .layernorm import RMSNorm
-from .rotary_embedding import RotaryEmbedding
+from .rotary_embedding import RotaryEmbedding, apply_rotary
 
-__all__ = ["Attention", "AttentionMetadata", "RMSNorm", "RotaryEmbedding", "SiluAndMul"]
+__all__ = ["Attention", "AttentionMetadata", "RMSNorm", "RotaryEmbedding", "SiluAndMul", "apply_rotary"]

@@ -7,14 +7,16 @@ and `cu_seqlens` marks where each begins (vLLM's and FlashAttention's convention
 
 A token may attend to the tokens of its own sequence at the same or earlier positions (causal), and
 within `sliding_window` positions if the layer has one. Here that is a [T, T] boolean mask handed to
-PyTorch's scaled_dot_product_attention, whose `enable_gqa` lets each group of query heads share one
-KV head without copying K and V. Chapter 04 replaces this with a FlashAttention kernel that never
-builds the T x T matrix.
+PyTorch's scaled_dot_product_attention, built once per forward pass (every layer shares it). With a
+mask, PyTorch's fused kernels need K and V with one head per query head, so each KV head is
+repeated for its group. A single sequence with no window needs no mask at all (`is_causal`), and
+then the query heads share their KV head without a copy (`enable_gqa`). Chapter 04 replaces all of
+this with a FlashAttention kernel that never builds the T x T matrix nor copies K and V.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,12 @@ class AttentionMetadata:
 
     cu_seqlens: torch.Tensor  # [num_seqs + 1] int32: start offset of each sequence, then T
     max_seqlen: int
+    _masks: dict = field(default_factory=dict, repr=False)  # sliding window -> [T, T] mask, built once
+
+    def mask(self, positions: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+        if sliding_window not in self._masks:
+            self._masks[sliding_window] = packed_attention_mask(positions, self.cu_seqlens, sliding_window)
+        return self._masks[sliding_window]
 
     @classmethod
     def from_seq_lens(cls, seq_lens: list[int], device: torch.device | str = "cpu") -> AttentionMetadata:
@@ -72,9 +80,13 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         # q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]
-        mask = packed_attention_mask(positions, attn_metadata.cu_seqlens, self.sliding_window)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # [heads, T, head_dim]
-            attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # [num_heads, T, head_dim]
-        return out.transpose(0, 1).reshape(q.shape[0], self.num_heads * self.head_dim)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, T, head_dim]
+        group = self.num_heads // self.num_kv_heads
+        if attn_metadata.num_seqs == 1 and (self.sliding_window is None or self.sliding_window >= q.shape[1]):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=group > 1)
+        else:
+            if group > 1:
+                k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # [num_heads, T, D]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_metadata.mask(positions, self.sliding_window),
+                                                 scale=self.scale)
+        return out.transpose(0, 1).reshape(q.shape[1], self.num_heads * self.head_dim)  # [T, heads * head_dim]

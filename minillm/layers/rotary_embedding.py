@@ -57,8 +57,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for these positions, [T, 1, head_dim] in `dtype` (the model looks them up once
+        per forward pass and hands them to every layer)."""
+        return self.cos_cache[positions].to(dtype)[:, None, :], self.sin_cache[positions].to(dtype)[:, None, :]
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions: [T]; q: [T, num_heads, head_dim]; k: [T, num_kv_heads, head_dim]
-        cos = self.cos_cache[positions].to(q.dtype)[:, None, :]  # [T, 1, head_dim]
-        sin = self.sin_cache[positions].to(q.dtype)[:, None, :]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return apply_rotary(q, k, *self.cos_sin(positions, q.dtype))
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate q and k ([T, heads, head_dim]) by angles whose cos/sin are [T, 1, head_dim]."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..layers import Attention, AttentionMetadata, RMSNorm, RotaryEmbedding, SiluAndMul
+from ..layers import Attention, AttentionMetadata, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary_emb: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -35,10 +35,10 @@ class LlamaAttention(nn.Module):
         if config.qk_norm:  # Qwen3: normalise each head's query and key before rotating them
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary_emb = rotary_emb  # one module, shared by all layers: same cos/sin cache
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, config.sliding_windows[layer])
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata: AttentionMetadata,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -46,7 +46,7 @@ class LlamaAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = apply_rotary(q, k, *cos_sin)  # cos/sin of these positions, looked up once per forward
         return self.o_proj(self.attn(q, k, v, positions, attn_metadata))  # [T, hidden]
 
 
@@ -62,20 +62,20 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary_emb: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer, rotary_emb)
+        self.self_attn = LlamaAttention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions, x, residual, attn_metadata):
+    def forward(self, positions, x, residual, attn_metadata, cos_sin):
         # The residual stream is carried separately so each norm can fuse "add, then normalise".
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, attn_metadata)
+        x = self.self_attn(positions, x, attn_metadata, cos_sin)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -84,14 +84,16 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rope) for i in range(config.num_layers))
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                          config.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, attn_metadata):
         x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)  # [T, 1, head_dim] each, shared by all layers
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, attn_metadata)
+            x, residual = layer(positions, x, residual, attn_metadata, cos_sin)
         x, _ = self.norm(x, residual)
         return x
 
