@@ -7,11 +7,11 @@ and `cu_seqlens` marks where each begins (vLLM's and FlashAttention's convention
 
 A token may attend to the tokens of its own sequence at the same or earlier positions (causal), and
 within `sliding_window` positions if the layer has one. Here that is a [T, T] boolean mask handed to
-PyTorch's scaled_dot_product_attention, built once per forward pass (every layer shares it). With a
-mask, PyTorch's fused kernels need K and V with one head per query head, so each KV head is
-repeated for its group. A single sequence with no window needs no mask at all (`is_causal`), and
-then the query heads share their KV head without a copy (`enable_gqa`). Chapter 04 replaces all of
-this with a FlashAttention kernel that never builds the T x T matrix nor copies K and V.
+PyTorch's scaled_dot_product_attention, built once per forward pass (every layer shares it); a
+single sequence with no window needs none (`is_causal`), which lets PyTorch pick its FlashAttention
+kernel. Those fused kernels want one KV head per query head, so each KV head is repeated for its
+group (a copy of K and V). Chapter 04 replaces all of this with a FlashAttention kernel of our own
+that never builds the T x T matrix and reads each KV head once for its whole group.
 """
 
 from __future__ import annotations
@@ -82,11 +82,11 @@ class Attention(nn.Module):
         # q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, T, head_dim]
         group = self.num_heads // self.num_kv_heads
+        if group > 1:  # PyTorch's fused kernels want one KV head per query head
+            k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # [num_heads, T, D]
         if attn_metadata.num_seqs == 1 and (self.sliding_window is None or self.sliding_window >= q.shape[1]):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=group > 1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # no mask needed
         else:
-            if group > 1:
-                k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # [num_heads, T, D]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_metadata.mask(positions, self.sliding_window),
                                                  scale=self.scale)
         return out.transpose(0, 1).reshape(q.shape[1], self.num_heads * self.head_dim)  # [T, heads * head_dim]
