@@ -22,10 +22,9 @@ from .sequence import Sequence
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
-def sequence_seed(seed: int | None, index: int) -> int:
-    """The seed of completion `index` of a request (a fresh random one when the request has none)."""
-    base = random.SystemRandom().randrange(1 << 62) if seed is None else seed
-    return (base + index * _GOLDEN) % (1 << 63)
+def sequence_seed(seed: int, index: int) -> int:
+    """The seed of completion `index` of a request whose seed is `seed` (completion 0 keeps it)."""
+    return (seed + index * _GOLDEN) % (1 << 63)
 
 
 @torch.inference_mode()
@@ -35,7 +34,7 @@ def generate_sequences(model, tokenizer, prompt_ids: list[int], params: Sampling
     config = model.config
     device = next(model.parameters()).device
     sampler = sampler or Sampler()
-    base = random.SystemRandom().randrange(1 << 62) if params.seed is None else params.seed
+    base = random.SystemRandom().randrange(1 << 62) if params.seed is None else params.seed  # unseeded: fresh
     seqs = [Sequence(i, prompt_ids, params, sequence_seed(base, i), tokenizer, eos_ids,
                      config.max_position_embeddings) for i in range(params.n)]
     while active := [s for s in seqs if not s.finished]:

@@ -41,14 +41,30 @@ def embedded_model_path() -> Path:
 
 
 def resolve_source(source: str | os.PathLike | None) -> Path:
-    """None -> the embedded model; otherwise the path given, which must exist."""
+    """Where a model (or its tokenizer) lives: None -> the embedded model; an existing path -> itself;
+    a hub id ('org/name') -> its files, downloaded from the Hugging Face hub (needs a network)."""
     if source is None:
         return embedded_model_path()
     if not isinstance(source, (str, os.PathLike)):
-        raise TypeError(f"model source must be a path (str or PathLike) or None, not {type(source).__name__}")
+        raise TypeError(f"model source must be a path, a hub id or None, not {type(source).__name__}")
     path = Path(source).expanduser()
-    if not path.exists():
-        looks_like_hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", str(source)) is not None
-        hint = " (this looks like a hub id; minillm does not download yet: pass a local .gguf, tokenizer.json or model folder)" if looks_like_hub_id else ""
-        raise FileNotFoundError(f"no model or tokenizer at {str(source)!r}{hint}")
-    return path
+    if path.exists():
+        return path
+    if isinstance(source, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", source):
+        return _download(source)
+    raise FileNotFoundError(f"no model or tokenizer at {str(source)!r}: give a .gguf file, a tokenizer.json, "
+                            "a Hugging Face model folder or a hub id")
+
+
+def _download(repo_id: str) -> Path:
+    """Fetch a hub model's config, safetensors and tokenizer files (no pickles)."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise FileNotFoundError(f"{repo_id!r} is not a local path, and huggingface_hub is not installed "
+                                "to download it (pip install huggingface_hub)") from None
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja"]))
+    except Exception as e:
+        raise FileNotFoundError(f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}: "
+                                f"{str(e)[:200]}); without a network, pass a local .gguf file or model folder") from e

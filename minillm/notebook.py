@@ -21,7 +21,10 @@ from . import __version__
 
 
 def device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    """The GPU if there is one, else the CPU (the same choice as minillm.hw.default_device)."""
+    from .hw import default_device
+
+    return default_device()
 
 
 def on_gpu() -> bool:

@@ -67,7 +67,7 @@ def test_bad_requests_are_clear_errors_and_the_engine_goes_on(tiny_llm, prompts,
 
 
 def test_bad_model_sources(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no model at"):
+    with pytest.raises(FileNotFoundError, match="no model or tokenizer at"):
         LLM(tmp_path / "missing.gguf", device="cpu")
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + bytes(100))

@@ -392,3 +392,9 @@ def test_malformed_tokenizer_json(tmp_path, spec, match):
     path.write_text(json.dumps(to_tokenizer_json(train_bpe("aa", vocab_size=256))))
     with pytest.raises(ValueError, match="tokenizer_config.json is not valid JSON"):
         load_tokenizer(path)
+
+
+def test_hub_id_for_a_tokenizer_without_network(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="could not download 'nobody/no-such-model'"):
+        load_tokenizer("nobody/no-such-model")

@@ -7,15 +7,13 @@
 
 from __future__ import annotations
 
-import os
-import re
 from pathlib import Path
 
 import torch
 
 from ..config import ModelConfig, preset
 from ..layers import RotaryEmbedding
-from ..model_files import embedded_model_path
+from ..model_files import resolve_source
 from ..models import MODELS
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
@@ -29,7 +27,7 @@ def load_model(source=None, *, dtype: torch.dtype = torch.float32, device: torch
     device = torch.device(device)
     if load_format == "dummy":
         return _dummy(source, dtype, device)
-    path = _resolve(source)
+    path = resolve_source(source)
     if path.is_file() and path.suffix == ".gguf":
         from . import gguf_loader
 
@@ -77,7 +75,7 @@ def _dummy(source, dtype, device):
     elif isinstance(source, str) and not Path(source).exists():
         config = preset(source)
     else:
-        path = _resolve(source)
+        path = resolve_source(source)
         config = _config_of(path)
     model = _build(config, dtype, device)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -98,30 +96,3 @@ def _config_of(path: Path) -> ModelConfig:
     from . import hf_loader
 
     return hf_loader.read_config(path)
-
-
-def _resolve(source) -> Path:
-    if source is None:
-        return embedded_model_path()
-    if not isinstance(source, (str, os.PathLike)):
-        raise TypeError(f"model must be a path, a hub id or None, not {type(source).__name__}")
-    path = Path(source).expanduser()
-    if path.exists():
-        return path
-    if isinstance(source, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", source):
-        return _download(source)
-    raise FileNotFoundError(f"no model at {str(source)!r}: give a .gguf file, a Hugging Face folder or a hub id")
-
-
-def _download(repo_id: str) -> Path:
-    """A hub id ('org/name'): fetch its config, safetensors and tokenizer files (needs a network)."""
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise FileNotFoundError(f"{repo_id!r} is not a local path, and huggingface_hub is not installed "
-                                "to download it (pip install huggingface_hub)") from None
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja"]))
-    except Exception as e:
-        raise FileNotFoundError(f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}: "
-                                f"{str(e)[:200]}); without a network, pass a local .gguf file or model folder") from e
