@@ -4,8 +4,9 @@
 #
 #   .ci/gpu.sh setup DIR      install the wheels in DIR/wheels; start the model file from DIR/model-a
 #   .ci/gpu.sh model DIR      finish the model file with DIR/model-b
-#   .ci/gpu.sh run OUT        the test suite on the GPU, then every notebook executed in place; logs
-#                             and the executed notebooks go to OUT
+#   .ci/gpu.sh run OUT [NB..] the test suite on the GPU, then every notebook (or those named) executed
+#                             in place; logs and the executed notebooks go to OUT
+#   .ci/gpu.sh kernels OUT    the kernel and cache tests, then `minillm bench attention` (a quick look)
 set -euo pipefail
 SITE=/tmp/minillm-site
 MODEL=/root/minillm-model/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -27,8 +28,17 @@ case "$1" in
     python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target $SITE --upgrade .
     python3 -m pytest tests/ -q -n 8 -rfEs -p no:cacheprovider --ignore=tests/test_site.py --ignore=tests/test_notebook_files.py \
       2>&1 | tee "$out/pytest-gpu.log" || true
-    python3 -m minillm.nbrun notebooks/[0-9]*.ipynb notebooks/labs/[0-9]*.ipynb 2>&1 | tee "$out/notebooks.log" || true
+    shift 2
+    nbs=("$@"); [ ${#nbs[@]} -gt 0 ] || nbs=(notebooks/[0-9]*.ipynb notebooks/labs/[0-9]*.ipynb)
+    python3 -m minillm.nbrun "${nbs[@]}" 2>&1 | tee "$out/notebooks.log" || true
     tar czf "$out/notebooks.tgz" notebooks/*.ipynb notebooks/labs/*.ipynb
     ;;
-  *) echo "usage: $0 setup DIR | model DIR | run OUT" >&2; exit 2 ;;
+  kernels)
+    out=$2; mkdir -p "$out"
+    python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target $SITE --upgrade .
+    python3 -m pytest tests/test_kernels_*.py tests/test_kv_cache.py -q -n 8 -rfEs -p no:cacheprovider \
+      2>&1 | tee "$out/pytest-kernels.log" || true
+    python3 -m minillm bench attention 2>&1 | tee "$out/bench-attention.log" || true
+    ;;
+  *) echo "usage: $0 setup DIR | model DIR | run OUT [NB..] | kernels OUT" >&2; exit 2 ;;
 esac

@@ -64,23 +64,42 @@ def matmul_cost(m: int, n: int, k: int, dtype_bytes: int = 2) -> tuple[int, int]
 
 
 def time_it(fn: Callable[[], object], *, warmup: int = 3, reps: int = 20, inner: int | None = None,
-            device: torch.device | None = None) -> float:
+            device: torch.device | None = None, cuda_graph: bool = False) -> float:
     """Median seconds per call of fn(), warm-up excluded.
 
     Each of `reps` samples times `inner` calls issued back to back, so the GPU never waits for the
     CPU between them: with one call per sample, the host's launch time (several microseconds) would
     land inside the measurement of a kernel that itself takes tens. `inner` defaults to enough calls
     to fill about a millisecond. CUDA: device events; CPU: the wall clock.
+
+    cuda_graph=True (CUDA only) records the `inner` calls once into a CUDA graph and times replays of
+    it: the GPU then runs the kernels with no host in the loop at all, which is what a small kernel
+    costs inside an engine that replays graphs (chapter 07). Without it, a kernel shorter than its
+    own launch (tens of µs of Python on a slow host) measures the host, not the kernel.
     """
     device = device or torch.device("cpu")
     cuda = device.type == "cuda"
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def run_n(n: int) -> None:
+        if not (cuda and cuda_graph):
+            for _ in range(n):
+                fn()
+            return
+        if n not in graphs:  # recorded once, outside any timed region
+            graphs[n] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[n]):
+                for _ in range(n):
+                    fn()
+        graphs[n].replay()
 
     def sample(n: int) -> float:
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if cuda_graph and n not in graphs:
+                run_n(n)  # records the graph (and runs it once) before the clock starts
             start.record()
-            for _ in range(n):
-                fn()
+            run_n(n)
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / 1e3 / n

@@ -5,7 +5,8 @@
     out[0].outputs[0].text
     llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(temperature=0))
 
-Requests run one after another through generation.py (no KV cache yet: chapter 03). Everything a
+Requests run one after another through generation.py, with a KV cache (chapter 03) unless
+`enable_kv_cache=False` asks for chapter 02's full recompute at every step. Everything a
 request carries is checked before any request runs, so one bad prompt fails fast with a clear error.
 """
 
@@ -48,7 +49,11 @@ def _dtype(dtype, device: torch.device) -> torch.dtype:
 
 
 class LLM:
-    def __init__(self, model=None, dtype="auto", device="auto", load_format: str = "auto"):
+    def __init__(self, model=None, dtype="auto", device="auto", load_format: str = "auto",
+                 enable_kv_cache: bool = True):
+        if not isinstance(enable_kv_cache, bool):
+            raise TypeError(f"enable_kv_cache must be True or False, not {enable_kv_cache!r}")
+        self.enable_kv_cache = enable_kv_cache
         self.device = _device(device)
         self.dtype = _dtype(dtype, self.device)
         self.model, self.config, self.tokenizer = load_model(model, dtype=self.dtype, device=self.device,
@@ -71,7 +76,8 @@ class LLM:
         requests = self._prepare(prompts, sampling_params)
         outputs = []
         for prompt, ids, params in tqdm(requests, desc="generating", disable=not use_tqdm or len(requests) < 2):
-            *_, seqs = generate_sequences(self.model, self.tokenizer, ids, params, self.eos_token_ids, self.sampler)
+            *_, seqs = generate_sequences(self.model, self.tokenizer, ids, params, self.eos_token_ids, self.sampler,
+                                          self.enable_kv_cache)
             outputs.append(RequestOutput(str(next(self._ids)), prompt, ids, [s.to_output() for s in seqs]))
         return outputs
 
@@ -89,7 +95,8 @@ class LLM:
         [(_, ids, params)] = self._prepare([prompt], sampling_params)
         if params.n != 1:
             raise ValueError(f"stream() makes one completion; n must be 1, not {params.n}")
-        for (seq,) in generate_sequences(self.model, self.tokenizer, ids, params, self.eos_token_ids, self.sampler):
+        for (seq,) in generate_sequences(self.model, self.tokenizer, ids, params, self.eos_token_ids, self.sampler,
+                                          self.enable_kv_cache):
             if delta := seq.stream_delta():
                 yield delta
 

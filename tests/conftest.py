@@ -7,8 +7,14 @@ import os
 import random
 
 import pytest
+import torch
 
-from minillm.model_files import embedded_model_path
+# Triton kernels run on a CPU under Triton's interpreter; it is chosen when a kernel is decorated,
+# so the switch must be set before any minillm.kernels module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from minillm.model_files import embedded_model_path  # noqa: E402
 
 
 def pytest_report_header(config):

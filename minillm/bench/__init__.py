@@ -10,6 +10,7 @@ from __future__ import annotations
 WORKLOADS = {
     "ceilings": ("minillm.bench.ceilings", "copy bandwidth, matmul rate, and GEMV vs GEMM across batch sizes"),
     "tokenizer": ("minillm.bench.tokenizer", "encode throughput vs HF tokenizers (single thread)"),
+    "attention": ("minillm.bench.attention", "FlashAttention prefill and FlashDecoding vs PyTorch SDPA"),
 }
 
 

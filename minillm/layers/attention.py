@@ -10,8 +10,10 @@ within `sliding_window` positions if the layer has one. Here that is a [T, T] bo
 PyTorch's scaled_dot_product_attention, built once per forward pass (every layer shares it); a
 single sequence with no window needs none (`is_causal`), which lets PyTorch pick its FlashAttention
 kernel. Those fused kernels want one KV head per query head, so each KV head is repeated for its
-group (a copy of K and V). Chapter 04 replaces all of this with a FlashAttention kernel of our own
-that never builds the T x T matrix and reads each KV head once for its whole group.
+group (a copy of K and V). That is the PyTorch path. On a GPU the layer runs chapter 04's own
+kernels instead (`minillm.kernels.flash_attn` and `.flash_decode`), which never build the T x T
+matrix and read each KV head once for its whole group; with a KV cache (chapter 03) it reads past
+keys and values from the cache through a block table.
 """
 
 from __future__ import annotations
@@ -22,13 +24,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cache.kv_cache import store_kv
+from ..kernels import flash_attn, flash_decode
+from .backend import use_triton
+
 
 @dataclass
 class AttentionMetadata:
-    """How the T tokens of a forward pass split into sequences."""
+    """How the T tokens of a forward pass split into sequences, and (with a KV cache) where their
+    keys and values live. vLLM's names: cu_seqlens is its query_start_loc."""
 
-    cu_seqlens: torch.Tensor  # [num_seqs + 1] int32: start offset of each sequence, then T
-    max_seqlen: int
+    cu_seqlens: torch.Tensor  # [num_seqs + 1] int32: start offset of each sequence's new tokens, then T
+    max_seqlen: int  # longest run of new tokens (1: a pure decode step)
+    # With a KV cache (chapter 03); all None without one, when every sequence is computed whole.
+    seq_lens: torch.Tensor | None = None  # [num_seqs] int32: keys per sequence, cached + new
+    block_table: torch.Tensor | None = None  # [num_seqs, max_blocks] int32: cache blocks of each sequence
+    slot_mapping: torch.Tensor | None = None  # [T] int64: flat cache row each new token's K/V goes to
     _masks: dict = field(default_factory=dict, repr=False)  # sliding window -> [T, T] mask, built once
 
     def mask(self, positions: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -43,6 +54,10 @@ class AttentionMetadata:
         cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(seq_lens), 0)
         return cls(cu_seqlens=cu.to(device), max_seqlen=max(seq_lens))
+
+    @property
+    def uses_cache(self) -> bool:
+        return self.slot_mapping is not None
 
     @property
     def num_seqs(self) -> int:
@@ -69,17 +84,50 @@ def packed_attention_mask(positions: torch.Tensor, cu_seqlens: torch.Tensor,
 
 
 class Attention(nn.Module):
-    """softmax(q k^T * scale + mask) v for every sequence of the packed batch; q, k already rotated."""
+    """softmax(q k^T * scale + mask) v for every sequence of the packed batch; q, k already rotated.
+
+    Three paths, one result:
+      - with a KV cache (metadata has a slot_mapping): store the new K/V, then attend over the cache:
+        FlashDecoding when every sequence brings one token, FlashAttention over the cache otherwise;
+      - without one, on the Triton path: FlashAttention over the packed K/V;
+      - without one, on the PyTorch path: SDPA with a mask (chapter 02).
+    """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, sliding_window: int | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by KVCache.bind
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         # q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]
+        T, m = q.shape[0], attn_metadata
+        if m.uses_cache:
+            return self._cached(q, k, v, m).reshape(T, self.num_heads * self.head_dim)
+        if use_triton(q):
+            out = flash_attn.flash_attn_varlen(q, k, v, m.cu_seqlens, m.max_seqlen, cu_seqlens_k=m.cu_seqlens,
+                                               softmax_scale=self.scale, sliding_window=self.sliding_window)
+            return out.reshape(T, self.num_heads * self.head_dim)
+        return self._sdpa(q, k, v, positions, m)
+
+    def _cached(self, q, k, v, m: AttentionMetadata) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError("attention metadata has a slot_mapping but no KV cache is bound to this layer")
+        k_cache, v_cache = self.kv_cache  # [num_blocks, block_size, Hkv, D] each
+        store_kv(k, v, k_cache, v_cache, m.slot_mapping)
+        triton = use_triton(q)
+        if m.max_seqlen == 1:  # decode: one query per sequence over its whole cached past
+            decode = flash_decode.flash_decode if triton else flash_decode.flash_decode_ref
+            return decode(q, k_cache, v_cache, m.seq_lens, m.block_table, softmax_scale=self.scale,
+                          sliding_window=self.sliding_window)  # [B, Hq, D]
+        prefill = flash_attn.flash_attn_varlen if triton else flash_attn.flash_attn_varlen_ref
+        return prefill(q, k_cache, v_cache, m.cu_seqlens, m.max_seqlen, seqused_k=m.seq_lens,
+                       block_table=m.block_table, softmax_scale=self.scale,
+                       sliding_window=self.sliding_window)  # [T, Hq, D]
+
+    def _sdpa(self, q, k, v, positions, attn_metadata) -> torch.Tensor:
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, T, head_dim]
         group = self.num_heads // self.num_kv_heads
         if group > 1:  # PyTorch's fused kernels want one KV head per query head

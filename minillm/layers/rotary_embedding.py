@@ -21,6 +21,9 @@ import math
 import torch
 from torch import nn
 
+from ..kernels import rotary as _kernel
+from .backend import use_triton
+
 
 def inverse_frequencies(head_dim: int, base: float, scaling: dict | None = None) -> torch.Tensor:
     """theta_i = base^(-2i/head_dim) for i in [0, head_dim/2), with Llama 3 scaling if asked."""
@@ -36,11 +39,6 @@ def inverse_frequencies(head_dim: int, base: float, scaling: dict | None = None)
         medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
         inv_freq = torch.where(medium, blended, scaled)
     return inv_freq
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -68,5 +66,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Rotate q and k ([T, heads, head_dim]) by angles whose cos/sin are [T, 1, head_dim]."""
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    """Rotate q and k ([T, heads, head_dim]) by angles whose cos/sin are [T, 1, head_dim].
+
+    On a GPU the Triton kernel rotates both in place, in one launch (`minillm.kernels.rotary`).
+    """
+    if use_triton(q):
+        return _kernel.apply_rotary_(q, k, cos, sin)
+    return _kernel.apply_rotary_ref(q, k, cos, sin)

@@ -1,0 +1,411 @@
+"""FlashAttention forward (prefill) in Triton: attention that never writes the score matrix to memory.
+
+Plain attention for one head computes S = q k^T * scale ([Lq, Lk]), P = softmax(S) and P v. For a
+16k-token prompt and 32 heads, S alone is 16k x 16k x 32 x 2 bytes = 17 GB, written once and read
+back twice, while the useful inputs and outputs are a few MB. FlashAttention (Dao et al., 2022)
+computes the same numbers without ever storing S:
+
+Tiling. One program owns BLOCK_M query rows of one head and keeps them in registers. It walks the
+keys in tiles of BLOCK_N: loads K and V for the tile, computes the [BLOCK_M, BLOCK_N] scores with
+tl.dot, folds them into its running result, and forgets them. HBM traffic is q, K, V and the output.
+
+Online softmax. softmax needs each row's maximum and sum over all keys, before any tile is seen.
+Keep instead, per row, the maximum so far m, the sum so far l = sum exp(s - m), and the output so far
+acc = sum exp(s - m) v. When a new tile raises the maximum to m', everything kept was computed
+relative to the old m and is rescaled by alpha = exp(m - m'):
+
+    m' = max(m, max_j s_j)     l' = l * alpha + sum_j exp(s_j - m')     acc' = acc * alpha + P_tile v_tile
+
+After the last tile, out = acc / l. In exact arithmetic this is softmax(S) v; subtracting the running
+maximum keeps exp() from overflowing. The kernel uses exp2, which the GPU evaluates natively:
+exp(x) = 2^(x * log2 e), so log2(e) is folded into the score scale once and every m, l, acc is in
+base-2 units. The natural-log "log-sum-exp" of each row, lse = ln(sum_j exp(s_j)) = (m + log2 l) * ln 2,
+is returned on request: FlashDecoding (flash_decode.py) uses the same quantity to merge partial
+results.
+
+Which key tiles a query tile visits. Queries are bottom-right aligned (FlashAttention's convention):
+with Lq new queries and Lk keys, query i sits at position Lk - Lq + i, so a sequence whose first
+Lk - Lq keys come from a cache (a cached prefix, a chunk of a chunked prefill) needs nothing special.
+For a tile of queries at positions first..last the keys split into ranges of tiles:
+
+    keys:  0 ..... lo ............ full_lo ............. full_hi ........ hi ........ Lk
+           | never |  window edge  |   every key visible  |  diagonal     |  future   |
+           | read  |  (masked)     |   (no mask at all)   |  (masked)     |  skipped  |
+
+Causal attention stops at hi = last + 1: the upper-right triangle is never loaded, which halves the
+work. A sliding window of W also skips everything before lo = first - W + 1. Only the tiles that
+straddle a boundary pay for a mask; the full tiles in the middle, nearly all of them for a long
+prompt, run a loop with no mask at all (the two-stage structure of Triton's fused-attention tutorial).
+
+Batches without padding. Sequences are packed into one [T, H, D] stream (cu_seqlens_q marks where
+each starts); the grid is (query tiles of the longest sequence, sequences x heads) and a program
+whose tile lies past its sequence's end returns at once. K and V come either packed the same way
+(cu_seqlens_k) or from a KV cache [num_blocks, block_size, Hkv, D] through a block table: key j of
+sequence b is row j % block_size of block block_table[b, j // block_size], looked up per key inside
+the kernel. Grouped-query attention costs nothing extra: query head h reads KV head h // (Hq // Hkv).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton picks its CPU interpreter when a kernel is decorated, so read the switch the same way.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LOG2E = math.log2(math.e)
+
+
+def _configs() -> list[triton.Config]:
+    if INTERPRET:  # one small config: CPU tests stay fast and still cross several tiles
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    shapes = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4),
+              (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """a @ b (+ acc) in fp32. fp32 inputs would run as TF32 (10-bit mantissa) unless told otherwise."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _kv_rows(offs_n, seqlen_k, k_start, bt_row, block_size, stride_k_blk, stride_k_tok, stride_v_blk,
+             stride_v_tok, PAGED: tl.constexpr):
+    """Offsets (int64, [BLOCK_N]) of the K and V rows of the keys at positions offs_n of a sequence."""
+    if PAGED:
+        # Key j lives in row j % block_size of block block_table[b, j // block_size]. Positions past
+        # the sequence would index past its row of the table: read block 0 for them (masked later).
+        block = tl.load(bt_row + offs_n // block_size, mask=offs_n < seqlen_k, other=0).to(tl.int64)
+        slot = (offs_n % block_size).to(tl.int64)
+        return block * stride_k_blk + slot * stride_k_tok, block * stride_v_blk + slot * stride_v_tok
+    else:
+        tok = (k_start + offs_n).to(tl.int64)  # packed: the sequence's keys are consecutive rows
+        return tok * stride_k_tok, tok * stride_v_tok
+
+
+@triton.jit
+def _attend_tiles(acc, l_i, m_i, q, q_pos, K, V, start, end, seqlen_k, k_start, bt_row, block_size,
+                  stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale, window,
+                  MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr,
+                  IEEE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Fold the key tiles [start, end) into the running (acc, l_i, m_i). MASK=False is the fast path:
+    the caller promises every key of every tile is visible to every query row."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions in the sequence
+        k_rows, v_rows = _kv_rows(offs_n, seqlen_k, k_start, bt_row, block_size, stride_k_blk, stride_k_tok,
+                                  stride_v_blk, stride_v_tok, PAGED)
+        # K is loaded already transposed, [HEAD_DIM, BLOCK_N]: each column one key's contiguous row.
+        k_ptrs = K + k_rows[None, :] + offs_d[:, None]
+        v_ptrs = V + v_rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+        if MASK:
+            in_seq = offs_n < seqlen_k  # a boundary tile may run past the last key
+            k = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        qk = _dot(q, k, None, IEEE)  # [BLOCK_M, BLOCK_N] raw scores q.k, fp32
+        if MASK:
+            visible = in_seq[None, :]  # [1, BLOCK_N], broadcast to [BLOCK_M, BLOCK_N] below
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
+            # A row may have seen no visible key yet (m_new = -inf); exp2(-inf - -inf) would be NaN.
+            # Subtracting 0 instead gives p = 0 and alpha = 0, which is right: nothing to keep.
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(qk - m_sub[:, None])  # [BLOCK_M, BLOCK_N]
+            v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # finite: every score here is real
+            m_sub = m_new
+            p = tl.exp2(qk * qk_scale - m_sub[:, None])  # scale and shift in one multiply-add
+            v = tl.load(v_ptrs)
+        alpha = tl.exp2(m_i - m_sub)  # [BLOCK_M] how much the old state shrinks (0 on the first tile)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)  # [BLOCK_M, HEAD_DIM]
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "PAGED", "CAUSAL", "HAS_WINDOW", "seqlen_bucket"])
+@triton.jit
+def _flash_attn_fwd(
+    Q, K, V, Out, Lse,  # q [Tq, Hq, D]; K, V packed [Tk, Hkv, D] or caches; Out [Tq, Hq, D]; Lse [Hq, Tq]
+    cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,  # int32 [B+1]; [B+1] | None; [B], [B, n] | None
+    stride_q_tok, stride_q_head,
+    stride_k_blk, stride_k_tok, stride_k_head,  # packed: stride_k_blk unused
+    stride_v_blk, stride_v_tok, stride_v_head,
+    stride_o_tok, stride_o_head, stride_lse_head, stride_bt,
+    num_heads, group, block_size, window, qk_scale,
+    seqlen_bucket,  # not used by the kernel: part of the autotuning key only
+    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    RETURN_LSE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Longest causal tiles (the last queries see the most keys) get the lowest program ids, so they
+    # start first and the short ones fill in at the end of the launch.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    b = tl.program_id(1) // num_heads
+    h = tl.program_id(1) % num_heads
+    q_start = tl.load(cu_seqlens_q + b)
+    seqlen_q = tl.load(cu_seqlens_q + b + 1) - q_start
+    if m_block * BLOCK_M >= seqlen_q:  # this sequence is shorter than the longest one
+        return
+    if PAGED:
+        k_start = 0
+        seqlen_k = tl.load(seqused_k + b)
+        bt_row = block_table + b.to(tl.int64) * stride_bt
+    else:
+        k_start = tl.load(cu_seqlens_k + b)
+        seqlen_k = tl.load(cu_seqlens_k + b + 1) - k_start
+        bt_row = block_table  # unused
+    K += (h // group).to(tl.int64) * stride_k_head  # GQA: the KV head of this query head's group
+    V += (h // group).to(tl.int64) * stride_v_head
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query index within the sequence
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_pos = seqlen_k - seqlen_q + offs_m  # bottom-right aligned positions
+    row_ok = offs_m < seqlen_q  # the last tile of a sequence may run into the next one
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(Q + q_rows[:, None] * stride_q_tok + h * stride_q_head + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM], stays in registers
+
+    # The key ranges of the module docstring, every boundary a multiple of BLOCK_N except hi.
+    first = seqlen_k - seqlen_q + m_block * BLOCK_M  # position of the tile's first query
+    last = seqlen_k - seqlen_q + tl.minimum((m_block + 1) * BLOCK_M, seqlen_q) - 1  # and of its last
+    if CAUSAL:
+        hi = last + 1
+        full_hi = (first + 1) // BLOCK_N * BLOCK_N  # tiles wholly at or before the first query
+    else:
+        hi = seqlen_k
+        full_hi = seqlen_k // BLOCK_N * BLOCK_N
+    lo = 0
+    full_lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_lo = tl.minimum(tl.cdiv(tl.maximum(last - window + 1, 0), BLOCK_N) * BLOCK_N, hi)
+        full_hi = tl.maximum(full_hi, full_lo)  # a window narrower than a tile: no full tiles at all
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 units)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of 2^(s - m)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)  # running sum of 2^(s - m) v
+    if HAS_WINDOW:  # the window's left edge, masked
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, K, V, lo, full_lo, seqlen_k, k_start, bt_row,
+                                      block_size, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+                                      qk_scale, window, True, CAUSAL, HAS_WINDOW, PAGED, IEEE, BLOCK_N,
+                                      HEAD_DIM)
+    # The full tiles, no mask; then the diagonal (or the ragged end of the keys), masked.
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, K, V, full_lo, full_hi, seqlen_k, k_start, bt_row,
+                                  block_size, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+                                  qk_scale, window, False, CAUSAL, HAS_WINDOW, PAGED, IEEE, BLOCK_N, HEAD_DIM)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, K, V, full_hi, hi, seqlen_k, k_start, bt_row,
+                                  block_size, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
+                                  qk_scale, window, True, CAUSAL, HAS_WINDOW, PAGED, IEEE, BLOCK_N, HEAD_DIM)
+
+    # Rows past the sequence's end may have seen no key at all (l = 0): divide them by 1, not 0. They
+    # are never stored; the guard only keeps NaNs out of registers.
+    l_i = tl.where(row_ok, l_i, 1.0)
+    out = acc / l_i[:, None]
+    tl.store(Out + q_rows[:, None] * stride_o_tok + h * stride_o_head + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if RETURN_LSE:
+        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # back from base 2 to natural log: * ln 2
+        tl.store(Lse + h * stride_lse_head + q_start + offs_m, lse, mask=row_ok)
+
+
+# ---- argument checks, shared by the kernel and the reference -------------------------------------
+
+
+def check_head_dim(head_dim: int) -> None:
+    """The kernels hold a whole head in one tile, so head_dim must be a power of two tl.dot accepts."""
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"the Triton attention kernels need head_dim a power of two in 16..256, "
+                         f"got {head_dim}")
+
+
+def check_index(name: str, t, shape: tuple, strict: bool) -> None:
+    """An integer index tensor (int32 for the kernels) of the given shape (None: any size there)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if strict and t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        want = ", ".join("*" if s is None else str(s) for s in shape)
+        raise ValueError(f"{name} must have shape [{want}], got {tuple(t.shape)}")
+
+
+def check_qkv(q, k, v, k_dims: int, strict: bool) -> None:
+    """q [..., Hq, D]; k, v of k_dims dims ending [Hkv, D]; one dtype and device; Hq a multiple of Hkv."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if strict and t.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if strict and t.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {t.stride()}")
+    if k.dim() != k_dims or k.shape != v.shape:
+        raise ValueError(f"k and v must both be {k_dims}-D [..., num_kv_heads, head_dim], got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"q and k must share head_dim, got {q.shape[-1]} and {k.shape[-1]}")
+    if q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"the number of query heads ({q.shape[-2]}) must be a multiple of the number "
+                         f"of KV heads ({k.shape[-2]})")
+    if strict:
+        check_head_dim(q.shape[-1])
+        if q.device.type != "cuda" and not INTERPRET:
+            raise ValueError(f"the Triton kernels need CUDA tensors (q is on {q.device}) or Triton's "
+                             "interpreter: set TRITON_INTERPRET=1 before minillm is imported")
+        if INTERPRET and q.dtype == torch.bfloat16:  # seen with Triton 3.9: bf16 tl.dot returns garbage
+            raise TypeError("Triton's CPU interpreter gets bfloat16 tl.dot wrong: use float32 or "
+                            "float16 on a CPU")
+
+
+def check_window(sliding_window) -> None:
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, block_table,
+                  sliding_window, strict: bool) -> bool:
+    """Validate flash_attn_varlen's arguments; True when K/V come from a cache through a block table."""
+    paged = block_table is not None or seqused_k is not None
+    if paged and cu_seqlens_k is not None:
+        raise ValueError("give either cu_seqlens_k (packed K/V) or block_table and seqused_k (a KV cache), "
+                         "not both")
+    if not paged and cu_seqlens_k is None:
+        raise ValueError("give cu_seqlens_k (packed K/V) or block_table and seqused_k (a KV cache)")
+    if paged and (block_table is None or seqused_k is None):
+        raise ValueError("a KV cache needs both block_table and seqused_k")
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got {getattr(q, 'shape', q)!r}")
+    check_qkv(q, k, v, 4 if paged else 3, strict)
+    check_index("cu_seqlens_q", cu_seqlens_q, (None,), strict)
+    B = cu_seqlens_q.numel() - 1
+    if B < 1:
+        raise ValueError("cu_seqlens_q must hold at least two offsets (one sequence)")
+    if paged:
+        check_index("seqused_k", seqused_k, (B,), strict)
+        check_index("block_table", block_table, (B, None), strict)
+    else:
+        check_index("cu_seqlens_k", cu_seqlens_k, (B + 1,), strict)
+    if not isinstance(max_seqlen_q, int) or max_seqlen_q < 1:
+        raise ValueError(f"max_seqlen_q must be a positive int, got {max_seqlen_q!r}")
+    check_window(sliding_window)
+    return paged
+
+
+# ---- the kernel's entry point ------------------------------------------------------------------
+
+
+def flash_attn_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, *, cu_seqlens_k=None, seqused_k=None,
+                      block_table=None, softmax_scale=None, causal=True, sliding_window=None,
+                      return_lse=False):
+    """softmax(q k^T * softmax_scale + mask) v for every sequence of a packed batch, in one launch.
+
+    q: [Tq, Hq, D], sequence b's queries at rows cu_seqlens_q[b]:cu_seqlens_q[b+1]; max_seqlen_q >= the
+    longest. K/V either packed, k, v [Tk, Hkv, D] with cu_seqlens_k [B+1], or a cache
+    [num_blocks, block_size, Hkv, D] with seqused_k [B] (keys per sequence) and block_table [B, n].
+    Query i of Lq sits at position Lk - Lq + i (Lk >= Lq). Returns out [Tq, Hq, D] in q's dtype, and
+    with return_lse also lse [Hq, Tq] fp32 (natural log of each row's softmax denominator).
+    """
+    paged = _check_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, block_table,
+                          sliding_window, strict=True)
+    Tq, Hq, D = q.shape
+    Hkv, B = k.shape[-2], cu_seqlens_q.numel() - 1
+    scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
+    out = torch.empty((Tq, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((Hq, Tq), dtype=torch.float32, device=q.device) if return_lse else None
+    if Tq == 0:
+        return (out, lse) if return_lse else out
+    if paged:  # [num_blocks, block_size, Hkv, D]
+        k_strides, v_strides, block_size = k.stride()[:3], v.stride()[:3], k.shape[1]
+    else:  # [Tk, Hkv, D]: no block dimension
+        k_strides, v_strides, block_size = (0, *k.stride()[:2]), (0, *v.stride()[:2]), 1
+    grid = lambda meta: (triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), B * Hq)
+    _flash_attn_fwd[grid](
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+        q.stride(0), q.stride(1), *k_strides, *v_strides, out.stride(0), out.stride(1), Tq,
+        block_table.stride(0) if paged else 0,
+        Hq, Hq // Hkv, block_size, sliding_window or 0, scale * LOG2E,
+        min(max(16, triton.next_power_of_2(max_seqlen_q)), 8192),  # tile sizes differ for short chunks
+        HEAD_DIM=D, PAGED=paged, CAUSAL=bool(causal), HAS_WINDOW=sliding_window is not None,
+        RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32,
+    )
+    return (out, lse) if return_lse else out
+
+
+# ---- the reference -------------------------------------------------------------------------------
+
+
+def gather_kv(k, v, b: int, seqlen_k: int, *, cu_seqlens_k=None, block_table=None):
+    """Sequence b's first seqlen_k keys and values as [seqlen_k, Hkv, D] copies (reference only)."""
+    if block_table is None:
+        start = int(cu_seqlens_k[b])
+        return k[start:start + seqlen_k], v[start:start + seqlen_k]
+    j = torch.arange(seqlen_k, device=k.device)  # key positions
+    block_size = k.shape[1]
+    blocks = block_table[b].long()[j // block_size]  # [seqlen_k] the block each key lives in
+    return k[blocks, j % block_size], v[blocks, j % block_size]
+
+
+def attention_ref(q, k, v, scale: float, causal: bool, sliding_window):
+    """One sequence: q [Lq, Hq, D], k, v [Lk, Hkv, D] -> (out [Lq, Hq, D] fp32, lse [Hq, Lq] fp32)."""
+    Lq, Hq, _ = q.shape
+    Lk, Hkv, _ = k.shape
+    k = k.float().repeat_interleave(Hq // Hkv, dim=1)  # [Lk, Hq, D]: query head h uses KV head h // group
+    v = v.float().repeat_interleave(Hq // Hkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [Hq, Lq, Lk]
+    q_pos = torch.arange(Lk - Lq, Lk, device=q.device)[:, None]  # [Lq, 1] bottom-right aligned
+    k_pos = torch.arange(Lk, device=q.device)[None, :]  # [1, Lk]
+    visible = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= k_pos <= q_pos
+    if sliding_window is not None:
+        visible &= q_pos - k_pos < sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [Hq, Lq]
+    out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)  # [Lq, Hq, D]
+    return out, lse
+
+
+def flash_attn_varlen_ref(q, k, v, cu_seqlens_q, max_seqlen_q, *, cu_seqlens_k=None, seqused_k=None,
+                          block_table=None, softmax_scale=None, causal=True, sliding_window=None,
+                          return_lse=False):
+    """flash_attn_varlen in plain PyTorch: one sequence at a time, the whole score matrix in fp32."""
+    paged = _check_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, block_table,
+                          sliding_window, strict=False)
+    Tq, Hq, D = q.shape
+    scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
+    out = torch.empty((Tq, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((Hq, Tq), dtype=torch.float32, device=q.device)
+    cu_q = cu_seqlens_q.tolist()
+    for b in range(len(cu_q) - 1):
+        q_b = q[cu_q[b]:cu_q[b + 1]]  # [Lq, Hq, D]
+        Lk = int(seqused_k[b]) if paged else int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
+        if Lk < q_b.shape[0]:
+            raise ValueError(f"sequence {b} has {q_b.shape[0]} queries but only {Lk} keys (need Lk >= Lq)")
+        k_b, v_b = gather_kv(k, v, b, Lk, cu_seqlens_k=cu_seqlens_k,
+                             block_table=block_table if paged else None)  # [Lk, Hkv, D]
+        o_b, lse_b = attention_ref(q_b, k_b, v_b, scale, causal, sliding_window)
+        out[cu_q[b]:cu_q[b + 1]] = o_b.to(q.dtype)
+        lse[:, cu_q[b]:cu_q[b + 1]] = lse_b
+    return (out, lse) if return_lse else out

@@ -1,0 +1,239 @@
+"""FlashDecoding in Triton: one new token per sequence attending over its whole KV cache, split-KV.
+
+A decode step has one query per sequence. Its attention is a matrix-vector product over the cache:
+every cached key and value is read once and used for a handful of FLOPs, so the only question is
+whether the kernel reads the cache at the memory's full speed. Two things stand in the way.
+
+Too few programs. FlashAttention's grid (query tiles x heads) has one query tile per sequence here:
+batch x heads programs. Eight sequences of a model with 8 KV heads make 64 programs for a GPU with
+132 SMs, each walking 16k keys alone: half the machine idles. FlashDecoding (Dao et al., 2023) also
+splits the keys: program (b, kv_head, split) takes one slice of sequence b's keys and computes a
+partial result over it, as if those were the only keys:
+
+    o_s = softmax(q K_s^T) V_s      lse_s = log sum_j exp(q.k_j), j in slice s
+
+A second, tiny kernel merges the slices. The full softmax over all keys weighs each slice by its
+share of the total denominator, exp(lse_s) / sum_t exp(lse_t), so
+
+    out = sum_s w_s o_s,    w_s = exp(lse_s - M) / sum_t exp(lse_t - M),    M = max_s lse_s
+
+(subtracting M is the same overflow guard as the online softmax). A slice that got no keys (a short
+sequence in a batch of long ones) has lse = -inf and weight 0. choose_num_splits picks the number of
+slices: enough programs for about two waves over the SMs, none when batch x heads already fills it.
+
+Reading each KV head once. With grouped-query attention, Hq / Hkv query heads share one KV head. A
+program serves the whole group: it loads the group's query rows as one [BLOCK_H, D] tile (padded to
+16 rows, the least tl.dot takes; the padding rows are zeros and never stored) and multiplies every
+K/V tile it loads by all of them. Per-query-head programs would read the same cache bytes Hq / Hkv
+times. Keys come from the cache [num_blocks, block_size, Hkv, D] through the block table, as in
+flash_attn.py: key j of sequence b is row j % block_size of block block_table[b, j // block_size].
+
+The new token is already in the cache (seqused_k[b] keys, itself the last, at position
+seqused_k[b] - 1), so causality excludes nothing; a sliding window of W keeps the last W keys.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .flash_attn import INTERPRET, LOG2E, _dot, check_index, check_qkv, check_window, gather_kv
+
+MAX_SPLITS = 64
+# The smallest key tile of the configs below: a split shorter than one tile is pure overhead.
+SPLIT_GRAIN = 16 if INTERPRET else 64
+
+
+def _configs() -> list[triton.Config]:
+    if INTERPRET:
+        return [triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    # Memory-bound: wide tiles and several loads in flight (num_stages) are what matter.
+    shapes = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3)]
+    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in shapes]
+
+
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "BLOCK_H", "SINGLE_SPLIT", "keys_bucket"])
+@triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel for every split count
+def _flash_decode_split(
+    Q, K, V, Out, O_part, Lse_part,  # q, out [B, Hq, D]; caches; partials [B, Hq, S, D], [B, Hq, S]
+    seqused_k, block_table,  # int32 [B], [B, max_blocks]
+    stride_q_seq, stride_q_head,
+    stride_k_blk, stride_k_tok, stride_k_head,
+    stride_v_blk, stride_v_tok, stride_v_head,
+    stride_o_seq, stride_o_head, stride_bt,
+    num_heads, group, block_size, window, num_splits, qk_scale,
+    keys_bucket,  # not used by the kernel: part of the autotuning key only
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, HAS_WINDOW: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    split = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    b = tl.program_id(2)
+    seqlen_k = tl.load(seqused_k + b)
+    start = 0
+    if HAS_WINDOW:  # the query at position seqlen_k - 1 sees the last `window` keys
+        start = tl.maximum(seqlen_k - window, 0)
+    # This split's slice of the visible keys [start, seqlen_k), whole tiles except at the end.
+    # Split 0 is never empty; later ones may be (lo >= hi: the loop runs zero times).
+    per_split = tl.cdiv(tl.cdiv(seqlen_k - start, num_splits), BLOCK_N) * BLOCK_N
+    lo = start + split * per_split
+    hi = tl.minimum(lo + per_split, seqlen_k)
+
+    offs_h = tl.arange(0, BLOCK_H)  # [BLOCK_H] rows: the query heads of this KV head's group
+    offs_d = tl.arange(0, HEAD_DIM)
+    head_ok = offs_h < group
+    heads = kv_head * group + offs_h
+    q = tl.load(Q + b.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :],
+                mask=head_ok[:, None], other=0.0)  # [BLOCK_H, HEAD_DIM]; padding rows are 0
+    K += kv_head.to(tl.int64) * stride_k_head
+    V += kv_head.to(tl.int64) * stride_v_head
+    bt_row = block_table + b.to(tl.int64) * stride_bt
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, base 2 (flash_attn.py)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        in_range = offs_n < hi
+        block = tl.load(bt_row + offs_n // block_size, mask=in_range, other=0).to(tl.int64)
+        slot = (offs_n % block_size).to(tl.int64)
+        k = tl.load(K + (block * stride_k_blk + slot * stride_k_tok)[None, :] + offs_d[:, None],
+                    mask=in_range[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N], K transposed
+        v = tl.load(V + (block * stride_v_blk + slot * stride_v_tok)[:, None] + offs_d[None, :],
+                    mask=in_range[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        qk = _dot(q, k, None, IEEE)  # [BLOCK_H, BLOCK_N]
+        qk = tl.where(in_range[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: a tile holds at least one key in range
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+        m_i = m_new
+
+    if SINGLE_SPLIT:  # the whole sequence in one program: the result is final
+        out = acc / l_i[:, None]
+        tl.store(Out + b.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=head_ok[:, None])
+    else:
+        # An empty split has l = 0: store o = 0 (not 0/0 = NaN, which a 0 weight would not cancel:
+        # 0 * NaN is NaN) and lse = -inf, which gives it weight 0 in the merge.
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        row = (b * num_heads + heads).to(tl.int64) * num_splits + split  # [BLOCK_H] into [B, Hq, S]
+        tl.store(O_part + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
+                 mask=head_ok[:, None])
+        tl.store(Lse_part + row, tl.where(empty, float("-inf"), m_i + tl.log2(l_safe)), mask=head_ok)
+
+
+@triton.jit
+def _flash_decode_combine(
+    O_part, Lse_part, Out,  # [B, Hq, S, D] fp32, [B, Hq, S] fp32 (base 2), out [B, Hq, D]
+    stride_o_seq, stride_o_head, num_heads, num_splits,
+    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,  # SPLITS: num_splits rounded up to a power of two
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = (b * num_heads + h).to(tl.int64) * num_splits
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_ok = offs_s < num_splits
+    lse = tl.load(Lse_part + row + offs_s, mask=split_ok, other=float("-inf"))  # [SPLITS]
+    m = tl.max(lse, 0)  # finite: split 0 always has keys
+    w = tl.exp2(lse - m)  # [SPLITS]: each slice's denominator relative to the largest; 0 for empty ones
+    o = tl.load(O_part + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=split_ok[:, None],
+                other=0.0)  # [SPLITS, HEAD_DIM]
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)  # [HEAD_DIM]
+    tl.store(Out + b.to(tl.int64) * stride_o_seq + h * stride_o_head + offs_d, out.to(Out.dtype.element_ty))
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, num_sms: int) -> int:
+    """How many slices to cut each sequence's keys into: enough (batch x kv_heads x splits) programs
+    for about two waves over the SMs (two programs per SM keep more loads in flight than one, and
+    even out the tail), but no slice shorter than a key tile and at most MAX_SPLITS."""
+    programs = batch * num_kv_heads
+    if programs >= 2 * num_sms:  # the machine is already full without splitting
+        return 1
+    wanted = triton.cdiv(2 * num_sms, programs)
+    return max(1, min(wanted, triton.cdiv(max_seqlen_k, SPLIT_GRAIN), MAX_SPLITS))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: any small number, so the tests exercise several splits
+
+
+def _check_decode(q, k_cache, v_cache, seqused_k, block_table, sliding_window, num_splits, strict: bool):
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be [batch, num_heads, head_dim], got {getattr(q, 'shape', q)!r}")
+    check_qkv(q, k_cache, v_cache, 4, strict)
+    B = q.shape[0]
+    check_index("seqused_k", seqused_k, (B,), strict)
+    check_index("block_table", block_table, (B, None), strict)
+    check_window(sliding_window)
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be None (choose) or a positive int, got {num_splits!r}")
+
+
+def flash_decode(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=None, sliding_window=None,
+                 num_splits=None):
+    """One query per sequence over its cached keys: q [B, Hq, D] -> out [B, Hq, D] in q's dtype.
+
+    Caches [num_blocks, block_size, Hkv, D]; seqused_k [B] int32 counts each sequence's keys, the new
+    token's included; block_table [B, max_blocks] int32. num_splits: None chooses (choose_num_splits).
+    """
+    _check_decode(q, k_cache, v_cache, seqused_k, block_table, sliding_window, num_splits, strict=True)
+    B, Hq, D = q.shape
+    Hkv, block_size = k_cache.shape[2], k_cache.shape[1]
+    out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    # The longest a sequence can be, from shapes alone: reading seqused_k would wait for the GPU.
+    max_keys = block_table.shape[1] * block_size
+    if sliding_window is not None:
+        max_keys = min(max_keys, sliding_window)
+    if num_splits is None:
+        num_splits = choose_num_splits(B, Hkv, max_keys, _num_sms(q.device))
+    single = num_splits == 1
+    o_part = lse_part = None
+    if not single:
+        o_part = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
+    scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
+    group = Hq // Hkv
+    _flash_decode_split[(num_splits, Hkv, B)](
+        q, k_cache, v_cache, out, o_part, lse_part, seqused_k, block_table,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(1),
+        block_table.stride(0), Hq, group, block_size, sliding_window or 0, num_splits, scale * LOG2E,
+        min(max(16, triton.next_power_of_2(triton.cdiv(max_keys, num_splits))), 8192),
+        HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)), HAS_WINDOW=sliding_window is not None,
+        SINGLE_SPLIT=single, IEEE=q.dtype == torch.float32,
+    )
+    if not single:
+        _flash_decode_combine[(B, Hq)](o_part, lse_part, out, out.stride(0), out.stride(1), Hq, num_splits,
+                                       HEAD_DIM=D, SPLITS=triton.next_power_of_2(num_splits))
+    return out
+
+
+def flash_decode_ref(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=None, sliding_window=None,
+                     num_splits=None):
+    """flash_decode in plain PyTorch: gather each sequence's keys, one softmax over all of them, fp32.
+    num_splits is accepted for a matching signature; splitting does not change the result."""
+    _check_decode(q, k_cache, v_cache, seqused_k, block_table, sliding_window, num_splits, strict=False)
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
+    out = torch.empty_like(q)
+    for b in range(B):
+        Lk = int(seqused_k[b])
+        k, v = gather_kv(k_cache, v_cache, b, Lk, block_table=block_table)  # [Lk, Hkv, D]
+        first = 0 if sliding_window is None else max(0, Lk - sliding_window)  # the query is at Lk - 1
+        k = k[first:].float().repeat_interleave(Hq // Hkv, dim=1)  # [keys, Hq, D]
+        v = v[first:].float().repeat_interleave(Hq // Hkv, dim=1)
+        scores = torch.einsum("hd,khd->hk", q[b].float(), k) * scale  # [Hq, keys]
+        out[b] = torch.einsum("hk,khd->hd", torch.softmax(scores, dim=-1), v).to(q.dtype)  # [Hq, D]
+    return out

@@ -1,0 +1,143 @@
+"""RMSNorm, fused with the residual add, as one Triton kernel.
+
+Every decoder layer runs, twice:
+
+    residual = x + residual                                # read x, residual; write residual
+    out = weight * (residual / sqrt(mean(residual^2) + eps))
+
+PyTorch runs that as about eight kernels (add, cast, pow, mean, add eps, rsqrt, multiply, cast,
+multiply by weight), each of which reads its input from GPU memory and writes its output back. For a
+decode step, [T, H] is a handful of rows: the arithmetic is nothing, and the time goes to launching
+kernels and moving the same H numbers through memory again and again.
+
+The fused kernel gives each row to one program. The program loads the whole row into registers
+(H <= 16K or so fits: BLOCK = next_power_of_2(H), the tail masked off), adds the residual, writes the
+new residual, reduces the sum of squares, scales and writes the output: one read of x and residual,
+one write of out and new_residual, one launch. It is as fast as memory allows, which is the best a
+memory-bound op can do.
+
+It also rounds exactly where the reference does, so the engine's output does not depend on which
+one ran (up to the order of the fp32 sum, see the test):
+    new_residual = x + residual         in x's dtype (PyTorch adds in fp32 and rounds once)
+    y = (xf * rsqrt(mean(xf^2) + eps))  in fp32, rounded to x's dtype
+    out = weight * y                    in fp32, rounded once to the promoted dtype
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [T, H], rows stride_x apart
+    res_ptr,  # [T, H], rows stride_res apart (unused without HAS_RESIDUAL)
+    w_ptr,  # [H]
+    out_ptr,  # [T, H] contiguous
+    new_res_ptr,  # [T, H] contiguous (unused without HAS_RESIDUAL)
+    stride_x,
+    stride_res,
+    H,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,  # next_power_of_2(H): the whole row in one tile
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)  # [BLOCK]
+    mask = cols < H  # H need not be a power of two (576, 1536, ...)
+    # int64 row offsets: T * H passes 2^31 for a long prefill of a wide model.
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)  # [BLOCK], x's dtype
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row.to(tl.int64) * stride_res + cols, mask=mask, other=0.0)
+        # Add in fp32 and round to x's dtype, as PyTorch's `x + residual` does: the norm below reads the
+        # rounded sum, the same numbers the next layer will add to.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(new_res_ptr + row.to(tl.int64) * H + cols, x, mask=mask)
+    xf = x.to(tl.float32)  # [BLOCK]; masked lanes are 0 and add nothing to the sum
+    # Divide by H, not BLOCK: the padding lanes are not part of the row.
+    mean_sq = tl.sum(xf * xf, axis=0) / H  # scalar
+    y = (xf * tl.rsqrt(mean_sq + eps)).to(x.dtype)  # [BLOCK], rounded to x's dtype like the reference
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    # One fp32 multiply, rounded once by the store to out's dtype (PyTorch's bf16 * bf16 does the same).
+    out = w.to(tl.float32) * y.to(tl.float32)
+    tl.store(out_ptr + row.to(tl.int64) * H + cols, out, mask=mask)
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    """A [T, H] float tensor whose rows may be strided but whose last dim is contiguous."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [num_tokens, hidden], got shape {tuple(t.shape)}")
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {t.stride()}")
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dim of x [T, H].
+
+    With `residual` [T, H]: returns (norm(x + residual), x + residual), both new tensors; without,
+    returns norm(x). The output's dtype is weight's and x's promoted together, as in the reference.
+    """
+    _check_rows("x", x)
+    T, H = x.shape
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"weight must be a float16, bfloat16 or float32 tensor, got {getattr(weight, 'dtype', weight)}")
+    if weight.shape != (H,):
+        raise ValueError(f"weight must have shape [hidden] = ({H},) to match x, got {tuple(weight.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device} but x is on {x.device}")
+    if residual is not None:
+        _check_rows("residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+        if residual.dtype != x.dtype:
+            raise TypeError(f"residual must have x's dtype {x.dtype}, got {residual.dtype}")
+        if residual.device != x.device:
+            raise ValueError(f"residual is on {residual.device} but x is on {x.device}")
+
+    weight = weight.contiguous()  # [H]; a no-op for a Parameter
+    out = torch.empty((T, H), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    new_res = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else out
+    if T == 0:
+        return out if residual is None else (out, new_res)
+    BLOCK = triton.next_power_of_2(H)
+    # Enough warps that each thread holds a few dozen numbers of the row, not hundreds (which spill).
+    num_warps = min(max(BLOCK // 512, 1), 8)
+    _rms_norm_kernel[(T,)](
+        x,
+        residual if residual is not None else x,  # a placeholder pointer the kernel never reads
+        weight,
+        out,
+        new_res,
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        H,
+        float(eps),
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=BLOCK,
+        num_warps=num_warps,
+    )
+    return out if residual is None else (out, new_res)
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The plain-PyTorch RMSNorm the kernel is tested against (x: [..., H])."""
+    if residual is not None:
+        x = x + residual  # rounded to x's dtype: the new residual
+        residual = x
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # statistics in fp32
+    out = weight * xf.to(dtype)
+    return out if residual is None else (out, residual)
