@@ -6,6 +6,7 @@
 #   .ci/gpu.sh model DIR      finish the model file with DIR/model-b
 #   .ci/gpu.sh run OUT [NB..] the test suite on the GPU, then every notebook (or those named) executed
 #                             in place; logs and the executed notebooks go to OUT
+#   .ci/gpu.sh test OUT       the test suite alone;  .ci/gpu.sh notebooks OUT [NB..]: the notebooks alone
 #   .ci/gpu.sh kernels OUT    the kernel and cache tests, then `minillm bench attention` (a quick look)
 set -euo pipefail
 SITE=/tmp/minillm-site
@@ -23,11 +24,12 @@ case "$1" in
   model)
     cat "$2"/model-b >> "$MODEL.part" && mv "$MODEL.part" "$MODEL" && ls -la "$MODEL"
     ;;
-  run)
-    out=$2; mkdir -p "$out"
+  run|test|notebooks)
+    cmd=$1 out=$2; mkdir -p "$out"
     python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target $SITE --upgrade .
-    python3 -m pytest tests/ -q -n 8 -rfEs -p no:cacheprovider --ignore=tests/test_site.py --ignore=tests/test_notebook_files.py \
+    [ "$cmd" = notebooks ] || python3 -m pytest tests/ -q -n 8 -rfEs -p no:cacheprovider --ignore=tests/test_site.py --ignore=tests/test_notebook_files.py \
       2>&1 | tee "$out/pytest-gpu.log" || true
+    [ "$cmd" != test ] || exit 0
     shift 2
     nbs=("$@"); [ ${#nbs[@]} -gt 0 ] || nbs=(notebooks/[0-9]*.ipynb notebooks/labs/[0-9]*.ipynb)
     python3 -m minillm.nbrun "${nbs[@]}" 2>&1 | tee "$out/notebooks.log" || true
@@ -40,5 +42,5 @@ case "$1" in
       2>&1 | tee "$out/pytest-kernels.log" || true
     python3 -m minillm bench attention 2>&1 | tee "$out/bench-attention.log" || true
     ;;
-  *) echo "usage: $0 setup DIR | model DIR | run OUT [NB..] | kernels OUT" >&2; exit 2 ;;
+  *) echo "usage: $0 setup DIR | model DIR | run|notebooks OUT [NB..] | test OUT | kernels OUT" >&2; exit 2 ;;
 esac

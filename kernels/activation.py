@@ -27,20 +27,22 @@ def _silu_and_mul_kernel(
     x_ptr,  # [rows, 2I], rows stride_x apart
     out_ptr,  # [rows, I] contiguous
     stride_x,
-    I,
+    inter,  # I, the MLP's intermediate size
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]; I (1536, 14336) need not divide
-    mask = cols < I
+    mask = cols < inter
     x_row = x_ptr + row.to(tl.int64) * stride_x  # int64: rows * 2I passes 2^31 in a long prefill
     gate = tl.load(x_row + cols, mask=mask, other=0.0)  # [BLOCK], the first half of the row
-    up = tl.load(x_row + I + cols, mask=mask, other=0.0)  # [BLOCK], the second half
+    up = tl.load(x_row + inter + cols, mask=mask, other=0.0)  # [BLOCK], the second half
     g = gate.to(tl.float32)
     # F.silu computes x / (1 + exp(-x)) in fp32 and rounds to the dtype; so do we, then multiply.
+    # (A GPU's tl.exp and fp32 division are approximate in the last bit or two, as CUDA's expf and
+    # PyTorch's are in their own way: after rounding to bf16 that shows in a rare element, not in all.)
     s = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    out = s.to(tl.float32) * up.to(tl.float32)  # rounded once, by the store
-    tl.store(out_ptr + row.to(tl.int64) * I + cols, out, mask=mask)
+    out = s.to(tl.float32) * up.to(tl.float32)  # one fp32 multiply, rounded once
+    tl.store(out_ptr + row.to(tl.int64) * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -53,13 +55,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"x's last dim must be even (gate and up halves), got shape {tuple(x.shape)}")
     if x.shape[-1] > 1 and x.stride(-1) != 1:
         raise ValueError(f"x's last dim must be contiguous (stride 1), got strides {x.stride()}")
-    I = x.shape[-1] // 2
-    x2 = x.reshape(-1, 2 * I)  # [rows, 2I]; a view whenever the leading dims allow one
-    out = torch.empty((*x.shape[:-1], I), dtype=x.dtype, device=x.device)
-    if x2.shape[0] == 0 or I == 0:
+    inter = x.shape[-1] // 2  # I, the MLP's intermediate size
+    x2 = x.reshape(-1, 2 * inter)  # [rows, 2I]; a view whenever the leading dims allow one
+    out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
+    if x2.shape[0] == 0 or inter == 0:
         return out
-    grid = (x2.shape[0], triton.cdiv(I, BLOCK))
-    _silu_and_mul_kernel[grid](x2, out, x2.stride(0), I, BLOCK=BLOCK, num_warps=4)
+    grid = (x2.shape[0], triton.cdiv(inter, BLOCK))
+    _silu_and_mul_kernel[grid](x2, out, x2.stride(0), inter, BLOCK=BLOCK, num_warps=4)
     return out
 
 

@@ -40,7 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_attn import INTERPRET, LOG2E, _dot, check_index, check_qkv, check_window, gather_kv
+from .checks import INTERPRET, check_index, check_qkv, check_window
+from .flash_attn import LOG2E, _dot, gather_kv
 
 MAX_SPLITS = 64
 # The smallest key tile of the configs below: a split shorter than one tile is pure overhead.

@@ -62,9 +62,9 @@ def _rms_norm_kernel(
     mean_sq = tl.sum(xf * xf, axis=0) / H  # scalar
     y = (xf * tl.rsqrt(mean_sq + eps)).to(x.dtype)  # [BLOCK], rounded to x's dtype like the reference
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    # One fp32 multiply, rounded once by the store to out's dtype (PyTorch's bf16 * bf16 does the same).
+    # One fp32 multiply, rounded once to out's dtype (PyTorch's bf16 * bf16 does the same).
     out = w.to(tl.float32) * y.to(tl.float32)
-    tl.store(out_ptr + row.to(tl.int64) * H + cols, out, mask=mask)
+    tl.store(out_ptr + row.to(tl.int64) * H + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_rows(name: str, t: torch.Tensor) -> None:
@@ -90,7 +90,9 @@ def rms_norm(
     _check_rows("x", x)
     T, H = x.shape
     if not isinstance(weight, torch.Tensor) or weight.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"weight must be a float16, bfloat16 or float32 tensor, got {getattr(weight, 'dtype', weight)}")
+        raise TypeError(
+            f"weight must be a float16, bfloat16 or float32 tensor, got {getattr(weight, 'dtype', weight)}"
+        )
     if weight.shape != (H,):
         raise ValueError(f"weight must have shape [hidden] = ({H},) to match x, got {tuple(weight.shape)}")
     if weight.device != x.device:

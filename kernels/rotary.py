@@ -5,8 +5,9 @@ Llama-family checkpoints pair coordinate i of a head with coordinate i + D/2 ("r
     x' = x * cos + rotate_half(x) * sin,   rotate_half([a, b]) = [-b, a]
     i.e.  a' = a * cos_a - b * sin_a,   b' = b * cos_b + a * sin_b     (a, b: the two halves)
 
-PyTorch evaluates that as about ten kernels per tensor (two chunks, a negation, a concatenation, three
-multiplies, an add), each a round trip through GPU memory, and allocates new q and k. The kernel gives
+PyTorch evaluates that as five kernels per tensor (a negation, a concatenation, two multiplies, an
+add; the chunks are views), ten for q and k, each a round trip through GPU memory, and allocates new
+q and k. The kernel gives
 each token to one program, which loads the token's cos and sin once and rotates every query head and
 every key head with them, writing the result over its input: q and k are read once and written once,
 in a single launch for both. Decode, a few tokens at a time, is bound by exactly those memory trips
@@ -14,8 +15,9 @@ and launches, not by the few multiplies.
 
 In place matters too: q and k arrive as strided views of the fused qkv projection's output
 [T, (Hq + 2 Hkv) * D], so rotating them where they lie leaves the attention kernel its q, k and v
-in the one buffer, with no copies. The math is done in fp32 and rounded once (the reference rounds
-after each multiply and after the add, so they agree to about one unit in the last place).
+in the one buffer, with no copies. The math is done in fp32 and rounded once; the reference rounds
+after each multiply and after the add, so the two differ by about a unit in the last place of the
+inputs (more ulps of the result where a * cos and b * sin nearly cancel).
 """
 
 from __future__ import annotations
@@ -80,8 +82,12 @@ def _rotary_kernel(
     cos_b = tl.load(cos_ptr + t * stride_ct + HALF + d, mask=dm, other=0.0).to(tl.float32)
     sin_a = tl.load(sin_ptr + t * stride_st + d, mask=dm, other=0.0).to(tl.float32)
     sin_b = tl.load(sin_ptr + t * stride_st + HALF + d, mask=dm, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr + t * stride_qt, stride_qh, Hq, cos_a, cos_b, sin_a, sin_b, HALF, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr + t * stride_kt, stride_kh, Hkv, cos_a, cos_b, sin_a, sin_b, HALF, BLOCK_HKV, BLOCK_HALF)
+    _rotate_heads(
+        q_ptr + t * stride_qt, stride_qh, Hq, cos_a, cos_b, sin_a, sin_b, HALF, BLOCK_HQ, BLOCK_HALF
+    )
+    _rotate_heads(
+        k_ptr + t * stride_kt, stride_kh, Hkv, cos_a, cos_b, sin_a, sin_b, HALF, BLOCK_HKV, BLOCK_HALF
+    )
 
 
 def _check_float(name: str, t: torch.Tensor) -> None:
@@ -111,7 +117,9 @@ def apply_rotary_(
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         _check_float(name, t)
     if q.dim() != 3 or k.dim() != 3:
-        raise ValueError(f"q and k must be 3-D [T, heads, head_dim], got {tuple(q.shape)} and {tuple(k.shape)}")
+        raise ValueError(
+            f"q and k must be 3-D [T, heads, head_dim], got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
     T, Hq, D = q.shape
     if k.shape[0] != T or k.shape[2] != D:
         raise ValueError(f"k must be [T, Hkv, D] = ({T}, Hkv, {D}) to match q, got {tuple(k.shape)}")

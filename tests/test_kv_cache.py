@@ -81,7 +81,7 @@ def test_cache_is_actually_read(seed):
     """Corrupt the cached K of an early position: the next decode step's logits must change
     (a cache that is written but never read would pass the test above)."""
     rng = random.Random(seed)
-    model, config = random_model(rng, sliding_windows=[], architecture="llama")
+    model, _ = random_model(rng, sliding_windows=[], architecture="llama")
     steps = step_both_ways(model, [[rng.randrange(97) for _ in range(6)]], steps=3, rng=rng)
     next(steps)  # prefill
     layer = next(m for m in model.modules() if getattr(m, "kv_cache", None) is not None)
@@ -170,13 +170,15 @@ def test_embedded_model_same_greedy_text_through_triton_kernels_on_gpu():
         with kernel_mode(mode):
             runs[mode] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, greedy)]
     assert runs["triton"] == runs["torch"]
+    # bf16: no two orders of summation agree exactly, so hold the kernels to the PyTorch path's own
+    # bf16 error: both measured against the fp32 logits, the kernels may be at most 1.5x as far off.
+    ids = llm.tokenizer.encode(prompts[1])
+    args = prepare_inputs([SimpleNamespace(token_ids=ids)], [0], [0], None, "cuda")
+    with torch.inference_mode(), kernel_mode("torch"):
+        exact = llm.model.compute_logits(llm.model(*args))  # [T, vocab] fp32
     llm16 = LLM(dtype="bfloat16", device="cuda")
-    ids = llm16.tokenizer.encode(prompts[1])
-    with torch.inference_mode():
-        logits = {}
-        for mode in ("triton", "torch"):
-            with kernel_mode(mode):
-                seq = SimpleNamespace(token_ids=ids)
-                args = prepare_inputs([seq], [0], [0], None, "cuda")
-                logits[mode] = llm16.model.compute_logits(llm16.model(*args))  # [T, vocab]
-    torch.testing.assert_close(logits["triton"], logits["torch"], atol=0.25, rtol=0.05)
+    err = {}
+    for mode in ("triton", "torch"):
+        with torch.inference_mode(), kernel_mode(mode):
+            err[mode] = (llm16.model.compute_logits(llm16.model(*args)) - exact).abs().mean().item()
+    assert err["triton"] <= 1.5 * err["torch"], err

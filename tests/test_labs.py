@@ -78,3 +78,47 @@ def test_gpu_checks_say_skipped_on_cpu(capsys):
     else:
         assert verdict.status == SKIPPED_HARDWARE and not verdict.passed
         assert "not counted as passed" in capsys.readouterr().out
+
+
+def test_ch03_checks_pass_the_reference_and_catch_mistakes():
+    import torch
+
+    from minillm.cache import store_kv
+    from minillm.kernels.flash_decode import flash_decode_ref
+    from minillm.labs import ch03
+
+    assert ch03.check_append_kv(lambda kc, vc, k, v, sm: store_kv(k, v, kc, vc, sm)).passed
+    with pytest.raises(CheckFailed):  # K written, V forgotten
+        ch03.check_append_kv(lambda kc, vc, k, v, sm: kc.view(-1, *kc.shape[2:]).index_copy_(0, sm, k))
+
+    def inputs(seq_lens, slots, max_len, off=0):
+        return (torch.tensor([n - 1 + off for n in seq_lens]),
+                torch.tensor([s * max_len + n - 1 + off for s, n in zip(slots, seq_lens)]), torch.tensor(seq_lens))
+
+    assert ch03.check_decode_inputs(inputs).passed
+    with pytest.raises(CheckFailed):  # the new token put one past its position
+        ch03.check_decode_inputs(lambda a, b, c: inputs(a, b, c, off=1))
+
+    def decode(q, kc, vc, slots, seq_lens, whole_slot=False):
+        lens = torch.full_like(seq_lens, kc.shape[1]) if whole_slot else seq_lens
+        return flash_decode_ref(q, kc, vc, lens.int(), slots.int()[:, None])
+
+    assert ch03.check_cached_decode_attention(decode).passed
+    with pytest.raises(CheckFailed):  # attends over the whole slot, unwritten rows included
+        ch03.check_cached_decode_attention(lambda *a: decode(*a, whole_slot=True))
+
+
+def test_ch04_online_softmax_check_catches_a_missing_rescale():
+    import torch
+
+    from minillm.labs import ch04
+
+    def step(m, l, acc, s, v, rescale=True):
+        m_new = torch.maximum(m, s.amax(dim=1))
+        alpha = torch.exp(m - m_new) if rescale else torch.ones_like(m)
+        p = torch.exp(s - m_new[:, None])
+        return m_new, l * alpha + p.sum(dim=1), acc * alpha[:, None] + p @ v
+
+    assert ch04.check_online_softmax(step).passed
+    with pytest.raises(CheckFailed):
+        ch04.check_online_softmax(lambda *a: step(*a, rescale=False))

@@ -60,14 +60,16 @@ def test_course_map_lists_all_chapters(site):
     dom = _dom(f"{base}/")
     for n in range(13):
         assert f"<td>{n:02d}</td>" in dom, f"chapter {n:02d} missing from the course map"
-    assert "Why inference is different" in dom and "Tokenizer" in dom and "The model" in dom
+    for title in ("Why inference is different", "Tokenizer", "The model", "The KV cache", "FlashAttention in Triton"):
+        assert title in dom, f"{title!r} missing from the course map"
 
 
 def _math_ok(dom: str) -> bool:
     return 'class="MathJax' in dom and 'class="merror"' not in dom and "Math Processing Error" not in dom
 
 
-@pytest.mark.parametrize("page", ["00-why-inference-is-different/", "01-tokenizer/", "02-the-model/"])
+@pytest.mark.parametrize("page", ["00-why-inference-is-different/", "01-tokenizer/", "02-the-model/", "03-kv-cache/",
+                                  "04-flash-attention/"])
 def test_chapter_page_renders(site, page):
     _, base = site
     dom = _dom(f"{base}/{page}")
@@ -82,7 +84,7 @@ def test_chapter_math_renders(site):
 
 
 @pytest.mark.parametrize("page", ["notebooks/00_why_inference_is_different/", "notebooks/01_tokenizer/",
-                                  "notebooks/02_model/"])
+                                  "notebooks/02_model/", "notebooks/03_kv_cache/", "notebooks/04_flash_attention/"])
 def test_notebook_page_renders_plots_and_math(site, page):
     out, base = site
     assert (out / "assets" / "mathjax" / "MathJax.js").is_file()

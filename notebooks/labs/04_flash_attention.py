@@ -11,7 +11,6 @@
 #     name: python3
 # ---
 
-
 # %% [markdown]
 # # Lab 04 · The online softmax and a FlashAttention tile
 #

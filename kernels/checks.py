@@ -1,0 +1,74 @@
+"""Argument checks shared by the attention kernels and their references (flash_attn, flash_decode).
+
+`strict` is the kernels' side: int32 indices, fp16/bf16/fp32, a contiguous last dim, a tile-sized
+head_dim, a CUDA tensor or Triton's interpreter. The references take anything PyTorch can compute
+with, so that they stay usable as oracles on odd inputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Triton picks its CPU interpreter when a kernel is decorated, so read the switch the same way.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_head_dim(head_dim: int) -> None:
+    """The kernels hold a whole head in one tile, so head_dim must be a power of two tl.dot accepts."""
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"the Triton attention kernels need head_dim a power of two in 16..256, "
+                         f"got {head_dim}")
+
+
+def check_index(name: str, t, shape: tuple, strict: bool) -> None:
+    """An integer index tensor (int32 for the kernels) of the given shape (None: any size there)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if strict and t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        want = ", ".join("*" if s is None else str(s) for s in shape)
+        raise ValueError(f"{name} must have shape [{want}], got {tuple(t.shape)}")
+
+
+def check_qkv(q, k, v, k_dims: int, strict: bool) -> None:
+    """q [..., Hq, D]; k, v of k_dims dims ending [Hkv, D]; one dtype and device; Hq a multiple of Hkv."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if strict and t.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if strict and t.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {t.stride()}")
+    if k.dim() != k_dims or k.shape != v.shape:
+        raise ValueError(f"k and v must both be {k_dims}-D [..., num_kv_heads, head_dim], got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"q and k must share head_dim, got {q.shape[-1]} and {k.shape[-1]}")
+    if q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"the number of query heads ({q.shape[-2]}) must be a multiple of the number "
+                         f"of KV heads ({k.shape[-2]})")
+    if strict:
+        check_head_dim(q.shape[-1])
+        if q.device.type != "cuda" and not INTERPRET:
+            raise ValueError(f"the Triton kernels need CUDA tensors (q is on {q.device}) or Triton's "
+                             "interpreter: set TRITON_INTERPRET=1 before minillm is imported")
+        if INTERPRET and q.dtype == torch.bfloat16:  # seen with Triton 3.9: bf16 tl.dot returns garbage
+            raise TypeError("Triton's CPU interpreter gets bfloat16 tl.dot wrong: use float32 or "
+                            "float16 on a CPU")
+
+
+def check_window(sliding_window) -> None:
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
