@@ -117,8 +117,9 @@ for name, (Hq, Hkv, D) in {"SmolLM2-135M": (9, 3, 64), "Llama-3-8B": (32, 8, 128
 # ## 4. Measured: minillm's kernels against SDPA and the roofline
 #
 # `minillm bench attention` in this process: for every shape, minillm's kernel and PyTorch's
-# `scaled_dot_product_attention` (FlashAttention-2 or cuDNN on an H100, whichever is fastest of its
-# two GQA variants) on the same tensors, the ratio (SDPA time / minillm time: above 1 means minillm is
+# `scaled_dot_product_attention`, restricted to its fused backends (FlashAttention-2, cuDNN or
+# memory-efficient, in PyTorch's order; which one ran is not recorded) and timed in the faster of its
+# two GQA forms (`enable_gqa`, or KV heads repeated beforehand) on the same tensors, the ratio (SDPA time / minillm time: above 1 means minillm is
 # faster) and the fraction of the measured ceiling. On a CPU the kernels run in Triton's interpreter
 # on tiny shapes: those numbers only show that the code runs.
 

@@ -3,7 +3,8 @@
 Four tables, each row a dict (the notebook plots them):
 
   prefill   causal attention over whole prompts, one sequence of S tokens and a packed batch of
-            4 x S/4: TFLOP/s of minillm's FlashAttention and of SDPA (FlashAttention-2 on a GPU),
+            4 x S/4: TFLOP/s of minillm's FlashAttention and of SDPA (its fused backends only — FlashAttention-2, cuDNN or memory-efficient, in PyTorch's
+            order; which one ran is not recorded),
             and % of the measured bf16 matmul rate. Compute-bound: FLOPs count only the visible
             (query, key) pairs, about half the S x S square.
   decode    one new token per sequence over a cache of `context` keys: GB/s of K/V (plus q and out)
