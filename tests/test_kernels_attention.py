@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+
 from minillm.kernels.flash_attn import flash_attn_varlen, flash_attn_varlen_ref
 from minillm.kernels.flash_decode import (
     MAX_SPLITS,

@@ -22,6 +22,7 @@ import os
 
 import pytest
 import torch
+
 from minillm.kernels.activation import silu_and_mul, silu_and_mul_ref
 from minillm.kernels.rms_norm import rms_norm, rms_norm_ref
 from minillm.kernels.rotary import apply_rotary_, apply_rotary_ref
