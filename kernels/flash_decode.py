@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .checks import INTERPRET, check_index, check_qkv, check_window
-from .flash_attn import LOG2E, _dot, gather_kv
+from .flash_attn import LOG2E, _dot, attention_ref, gather_kv
 
 MAX_SPLITS = 64
 # The smallest key tile of the configs below: a split shorter than one tile is pure overhead.
@@ -222,19 +222,14 @@ def flash_decode(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=N
 
 def flash_decode_ref(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=None, sliding_window=None,
                      num_splits=None):
-    """flash_decode in plain PyTorch: gather each sequence's keys, one softmax over all of them, fp32.
+    """flash_decode in plain PyTorch: each sequence's keys gathered, then flash_attn's reference, fp32.
     num_splits is accepted for a matching signature; splitting does not change the result."""
     _check_decode(q, k_cache, v_cache, seqused_k, block_table, sliding_window, num_splits, strict=False)
-    B, Hq, D = q.shape
-    Hkv = k_cache.shape[2]
+    D = q.shape[-1]
     scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
     out = torch.empty_like(q)
-    for b in range(B):
-        Lk = int(seqused_k[b])
-        k, v = gather_kv(k_cache, v_cache, b, Lk, block_table=block_table)  # [Lk, Hkv, D]
-        first = 0 if sliding_window is None else max(0, Lk - sliding_window)  # the query is at Lk - 1
-        k = k[first:].float().repeat_interleave(Hq // Hkv, dim=1)  # [keys, Hq, D]
-        v = v[first:].float().repeat_interleave(Hq // Hkv, dim=1)
-        scores = torch.einsum("hd,khd->hk", q[b].float(), k) * scale  # [Hq, keys]
-        out[b] = torch.einsum("hk,khd->hd", torch.softmax(scores, dim=-1), v).to(q.dtype)  # [Hq, D]
+    for b in range(q.shape[0]):  # the new token is the last of its sequence: prefill's reference, Lq = 1
+        k, v = gather_kv(k_cache, v_cache, b, int(seqused_k[b]), block_table=block_table)  # [Lk, Hkv, D]
+        o, _ = attention_ref(q[b][None], k, v, scale, causal=True, sliding_window=sliding_window)  # [1, Hq, D]
+        out[b] = o[0].to(q.dtype)
     return out
