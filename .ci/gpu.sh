@@ -8,6 +8,7 @@
 #                             in place; logs and the executed notebooks go to OUT
 #   .ci/gpu.sh test OUT       the test suite alone;  .ci/gpu.sh notebooks OUT [NB..]: the notebooks alone
 #   .ci/gpu.sh kernels OUT    the kernel and cache tests, then `minillm bench attention` (a quick look)
+#   .ci/gpu.sh pytest OUT F.. the named test files;  .ci/gpu.sh exec CMD..: any command, with this env
 set -euo pipefail
 SITE=/tmp/minillm-site
 MODEL=/root/minillm-model/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -42,5 +43,15 @@ case "$1" in
       2>&1 | tee "$out/pytest-kernels.log" || true
     python3 -m minillm bench attention 2>&1 | tee "$out/bench-attention.log" || true
     ;;
-  *) echo "usage: $0 setup DIR | model DIR | run|notebooks OUT [NB..] | test OUT | kernels OUT" >&2; exit 2 ;;
+  pytest)
+    out=$2; shift 2; mkdir -p "$out"
+    python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target $SITE --upgrade .
+    python3 -m pytest "$@" -q -n 8 -rfEs -p no:cacheprovider 2>&1 | tee "$out/pytest-gpu.log" || true
+    ;;
+  exec)
+    shift
+    python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target $SITE --upgrade .
+    "$@"
+    ;;
+  *) echo "usage: $0 setup DIR | model DIR | run|notebooks OUT [NB..] | test OUT | kernels OUT | pytest OUT F.. | exec CMD.." >&2; exit 2 ;;
 esac

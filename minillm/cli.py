@@ -92,13 +92,13 @@ def _labs(args) -> int:
 
 
 def _bench(args) -> int:
-    from .bench import WORKLOADS, run
+    from .bench import WORKLOADS, main
 
     if args.name == "list":
         for name, (_, what) in WORKLOADS.items():
             print(f"{name:12} {what}")
         return 0
-    run(args.name)
+    main(args.name, args.options)  # the workload's own options, parsed by minillm.bench.main
     return 0
 
 
@@ -136,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a named benchmark ('list' to see them)")
     bench.add_argument("name")
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="the workload's options ('NAME --help' lists them)")
     bench.set_defaults(fn=_bench)
     return p
 

@@ -31,6 +31,14 @@ def sequence_seed(seed: int, index: int) -> int:
     return (seed + index * _GOLDEN) % (1 << 63)
 
 
+def make_sequences(prompt_ids: list[int], params: SamplingParams, tokenizer, eos_ids: list[int],
+                   max_len: int) -> list[Sequence]:
+    """The n sequences of one request, each with its own seed (an unseeded request draws a fresh one)."""
+    base = random.SystemRandom().randrange(1 << 62) if params.seed is None else params.seed
+    return [Sequence(i, prompt_ids, params, sequence_seed(base, i), tokenizer, eos_ids, max_len)
+            for i in range(params.n)]
+
+
 @torch.inference_mode()
 def generate_sequences(model, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids: list[int],
                        sampler: Sampler | None = None, use_kv_cache: bool = True) -> Iterator[list[Sequence]]:
@@ -38,9 +46,7 @@ def generate_sequences(model, tokenizer, prompt_ids: list[int], params: Sampling
     config = model.config
     param = next(model.parameters())
     sampler = sampler or Sampler()
-    base = random.SystemRandom().randrange(1 << 62) if params.seed is None else params.seed  # unseeded: fresh
-    seqs = [Sequence(i, prompt_ids, params, sequence_seed(base, i), tokenizer, eos_ids,
-                     config.max_position_embeddings) for i in range(params.n)]
+    seqs = make_sequences(prompt_ids, params, tokenizer, eos_ids, config.max_position_embeddings)
     cache = None
     if use_kv_cache:  # one slot per sequence, each long enough for the longest it may grow
         ctx = config.max_position_embeddings
@@ -62,7 +68,7 @@ def generate_sequences(model, tokenizer, prompt_ids: list[int], params: Sampling
                                            [s.output_ids for s in active], [s.seed for s in active],
                                            [s.banned_tokens() for s in active], logits.shape[1], param.device)
             out = sampler(logits, smeta)
-            _append(active, out, tokenizer)
+            append_tokens(active, out, tokenizer)
             yield seqs
     finally:
         if cache is not None:
@@ -95,7 +101,7 @@ def prepare_inputs(seqs: list[Sequence], slots: list[int], num_computed: list[in
     return input_ids, positions, meta
 
 
-def _append(active: list[Sequence], out, tokenizer) -> None:
+def append_tokens(active: list[Sequence], out, tokenizer) -> None:
     ids = out.token_ids.tolist()
     if out.logprobs is None:
         for s, t in zip(active, ids):

@@ -5,9 +5,13 @@
     out[0].outputs[0].text
     llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(temperature=0))
 
-Requests run one after another through generation.py, with a KV cache (chapter 03) unless
-`enable_kv_cache=False` asks for chapter 02's full recompute at every step. Everything a
-request carries is checked before any request runs, so one bad prompt fails fast with a clear error.
+Requests run through the serving engine (minillm/engine/, chapters 05-07): all of them at once, in
+continuous batches over a paged KV cache. `enable_kv_cache=False` runs them one at a time with
+chapter 02's full recompute at every step instead. Engine settings (EngineConfig's fields:
+block_size, num_gpu_blocks, gpu_memory_utilization, enable_prefix_caching, max_num_seqs,
+max_num_batched_tokens, preemption_mode, enforce_eager, ...) pass through as keyword arguments.
+Everything a request carries is checked before any request runs, so one bad prompt fails fast with
+a clear error.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from collections.abc import Iterator
 import torch
 from tqdm.auto import tqdm
 
+from .engine import EngineConfig, LLMEngine
 from .generation import generate_sequences
+from .inputs import check_length, prompt_ids
 from .loader import load_model
 from .outputs import RequestOutput
 from .sampling import Sampler, SamplingParams
@@ -50,7 +56,7 @@ def _dtype(dtype, device: torch.device) -> torch.dtype:
 
 class LLM:
     def __init__(self, model=None, dtype="auto", device="auto", load_format: str = "auto",
-                 enable_kv_cache: bool = True):
+                 enable_kv_cache: bool = True, **engine_args):
         if not isinstance(enable_kv_cache, bool):
             raise TypeError(f"enable_kv_cache must be True or False, not {enable_kv_cache!r}")
         self.enable_kv_cache = enable_kv_cache
@@ -64,6 +70,17 @@ class LLM:
         self.eos_token_ids = sorted(set(eos))
         self.sampler = Sampler()
         self._ids = itertools.count()
+        self.max_model_len = self.config.max_position_embeddings
+        self.engine = None
+        if enable_kv_cache:
+            try:
+                engine_config = EngineConfig(**engine_args)
+            except TypeError as e:
+                raise TypeError(f"unknown LLM argument: {e}") from None
+            self.engine = LLMEngine(self.model, self.tokenizer, self.eos_token_ids, engine_config)
+            self.max_model_len = self.engine.max_model_len
+        elif engine_args:
+            raise ValueError(f"engine arguments {sorted(engine_args)} need enable_kv_cache=True")
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -74,11 +91,36 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """prompts: a str, a list of str, or {"prompt_token_ids": [...]} dicts (or a list of them)."""
         requests = self._prepare(prompts, sampling_params)
+        if self.engine is None:  # chapter 02: one request at a time, recomputing everything each step
+            outputs = []
+            for prompt, ids, params in tqdm(requests, desc="generating", disable=not use_tqdm or len(requests) < 2):
+                *_, seqs = generate_sequences(self.model, self.tokenizer, ids, params, self.eos_token_ids,
+                                              self.sampler, use_kv_cache=False)
+                outputs.append(RequestOutput(str(next(self._ids)), prompt, ids, [s.to_output() for s in seqs]))
+            return outputs
+        return self._run_engine(requests, use_tqdm)
+
+    def _run_engine(self, requests, use_tqdm: bool) -> list[RequestOutput]:
+        """Hand every request to the engine at once and step it until all are done."""
+        engine, order, done = self.engine, [], {}
+        for prompt, ids, params in requests:
+            rid = str(next(self._ids))
+            engine.add_request(rid, {"prompt_token_ids": ids}, params)
+            order.append((rid, prompt))
+        try:
+            with tqdm(total=len(order), desc="generating", disable=not use_tqdm or len(order) < 2) as bar:
+                while len(done) < len(order):
+                    for out in engine.step():
+                        if out.finished:
+                            done[out.request_id] = out
+                            bar.update(1)
+        finally:
+            engine.abort_request([rid for rid, _ in order if rid not in done])  # e.g. after Ctrl-C
         outputs = []
-        for prompt, ids, params in tqdm(requests, desc="generating", disable=not use_tqdm or len(requests) < 2):
-            *_, seqs = generate_sequences(self.model, self.tokenizer, ids, params, self.eos_token_ids, self.sampler,
-                                          self.enable_kv_cache)
-            outputs.append(RequestOutput(str(next(self._ids)), prompt, ids, [s.to_output() for s in seqs]))
+        for rid, prompt in order:
+            out = done[rid]
+            out.prompt = prompt
+            outputs.append(out)
         return outputs
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True):
@@ -95,10 +137,22 @@ class LLM:
         [(_, ids, params)] = self._prepare([prompt], sampling_params)
         if params.n != 1:
             raise ValueError(f"stream() makes one completion; n must be 1, not {params.n}")
-        for (seq,) in generate_sequences(self.model, self.tokenizer, ids, params, self.eos_token_ids, self.sampler,
-                                          self.enable_kv_cache):
-            if delta := seq.stream_delta():
-                yield delta
+        if self.engine is None:
+            for (seq,) in generate_sequences(self.model, self.tokenizer, ids, params, self.eos_token_ids,
+                                              self.sampler, use_kv_cache=False):
+                if delta := seq.stream_delta():
+                    yield delta
+            return
+        rid = str(next(self._ids))
+        self.engine.add_request(rid, {"prompt_token_ids": ids}, params)
+        seq = self.engine.groups[rid].seqs[0]
+        try:
+            while not seq.finished:
+                self.engine.step()
+                if delta := seq.stream_delta():
+                    yield delta
+        finally:
+            self.engine.abort_request(rid)  # a consumer that stops early frees the request's blocks
 
     # ---- checking input -------------------------------------------------------------------------
 
@@ -116,31 +170,7 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params[{i}] must be a SamplingParams, not {type(p).__name__}")
-            text, ids = self._prompt_ids(i, prompt)
-            self._check_length(i, len(ids), p)
+            text, ids = prompt_ids(self.tokenizer, self.config.vocab_size, prompt, f"prompts[{i}]")
+            check_length(f"prompts[{i}]", len(ids), p, self.max_model_len)
             out.append((text, ids, p))
         return out
-
-    def _prompt_ids(self, i: int, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            ids = prompt.get("prompt_token_ids")
-            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-                raise TypeError(f"prompts[{i}]['prompt_token_ids'] must be a list of ints")
-            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise ValueError(f"prompts[{i}] has token ids outside the vocabulary (0..{self.config.vocab_size - 1}): {bad[:5]}")
-            text = None
-        elif isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            raise TypeError(f"prompts[{i}] must be a str or a {{'prompt_token_ids': [...]}} dict, not {type(prompt).__name__}")
-        if not ids:
-            raise ValueError(f"prompts[{i}] is empty: a prompt needs at least one token")
-        return text, ids
-
-    def _check_length(self, i: int, n: int, p: SamplingParams) -> None:
-        ctx = self.config.max_position_embeddings
-        want = n + (p.max_tokens or 1)
-        if n >= ctx or want > ctx:
-            raise ValueError(f"prompts[{i}] has {n} tokens and asks for up to {p.max_tokens} more, but the model's "
-                             f"context is {ctx} tokens; shorten the prompt or lower max_tokens")

@@ -33,3 +33,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    metrics: object | None = None  # the engine's RequestMetrics: arrival, first token, finish times

@@ -13,9 +13,20 @@ A stop string can straddle tokens ("Hel" + "lo."); checking the text, not the to
 
 from __future__ import annotations
 
+import enum
+
 from .outputs import CompletionOutput, Logprob
 from .sampling import SamplingParams
 from .tokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.Enum):
+    """Where the engine's scheduler keeps a sequence (chapter 07)."""
+
+    WAITING = "waiting"  # no KV blocks: not started, or preempted to be recomputed
+    RUNNING = "running"  # holds GPU blocks, is scheduled every step
+    SWAPPED = "swapped"  # preempted, its blocks parked in CPU memory
+    FINISHED = "finished"
 
 
 class Sequence:
@@ -33,6 +44,10 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self._streamed = 0  # characters of text already handed to a stream
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        # The engine's bookkeeping (chapter 07); the one-request path of generation.py ignores it.
+        self.seq_id = -1
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
 
     @property
     def finished(self) -> bool:
@@ -41,6 +56,11 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """len(token_ids), without building the list (the scheduler asks every step)."""
+        return len(self.prompt_ids) + len(self.output_ids)
 
     def banned_tokens(self) -> list[int]:
         """Tokens that may not be sampled now: EOS and stop tokens before min_tokens are out."""
@@ -76,7 +96,7 @@ class Sequence:
                     self.text = self.text[: at + len(stop) if p.include_stop_str_in_output else at]
                     self.finish_reason, self.stop_reason = "stop", stop
                     return
-        if (p.max_tokens is not None and len(self.output_ids) >= p.max_tokens) or len(self.token_ids) >= self.max_len:
+        if (p.max_tokens is not None and len(self.output_ids) >= p.max_tokens) or self.num_tokens >= self.max_len:
             self.finish_reason = "length"
 
     def stream_delta(self) -> str:

@@ -13,6 +13,8 @@ import torch
 # so the switch must be set before any minillm.kernels module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:  # up to 8 test workers share one GPU: each engine's KV pool takes a small share of it
+    os.environ.setdefault("MINILLM_GPU_MEMORY_UTILIZATION", "0.08")
 
 from minillm.model_files import embedded_model_path
 

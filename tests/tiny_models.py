@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
@@ -50,3 +51,25 @@ def hf_model(folder: Path):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def random_model(rng: random.Random, **overrides):
+    """A small model of a random shape (GQA ratio, head_dim, window, qk-norm) with random weights."""
+    kv_heads = rng.choice([1, 2, 3])
+    heads = kv_heads * rng.choice([1, 2, 3])
+    arch = rng.choice(["llama", "mistral", "qwen3"])
+    head_dim = rng.choice([16, 32])
+    fields = dict(architecture=arch, vocab_size=97, hidden_size=48, intermediate_size=64, num_layers=2,
+                  num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, max_position_embeddings=256,
+                  qk_norm=arch == "qwen3", qkv_bias=arch == "llama",
+                  sliding_windows=[rng.choice([5, None]), 7] if arch == "mistral" else [])
+    from minillm.config import ModelConfig
+    from minillm.loader import load_model
+
+    config = ModelConfig(**(fields | overrides))
+    model, _, _ = load_model(config, load_format="dummy")
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 31))
+    with torch.no_grad():  # weights large enough that the logits have clear winners and losers
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.3, generator=gen)
+    return model, config

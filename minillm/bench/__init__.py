@@ -3,6 +3,10 @@
 Every table starts with this device's measured ceilings and puts minillm next to its peer, run in
 the same process, with the ratio (and % of roofline where one applies). Medians over repeats,
 warm-up excluded, device events on a GPU.
+
+A workload is "module" (its `run` function) or "module:function". A module with
+`add_arguments(parser, name)` takes command-line options (`minillm bench throughput --help`); they
+reach the function as keyword arguments.
 """
 
 from __future__ import annotations
@@ -11,13 +15,34 @@ WORKLOADS = {
     "ceilings": ("minillm.bench.ceilings", "copy bandwidth, matmul rate, and GEMV vs GEMM across batch sizes"),
     "tokenizer": ("minillm.bench.tokenizer", "encode throughput vs HF tokenizers (single thread)"),
     "attention": ("minillm.bench.attention", "FlashAttention prefill and FlashDecoding vs PyTorch SDPA"),
+    "throughput": ("minillm.bench.serving:throughput",
+                   "256 random requests through the engine vs HF generate with static batches"),
+    "latency": ("minillm.bench.serving:latency", "batch 1, 128-token prompt, 256 new tokens vs HF generate, "
+                "% of the weight-reading floor"),
 }
 
 
-def run(name: str, **kwargs):
+def _resolve(name: str):
     import importlib
 
     if name not in WORKLOADS:
         raise ValueError(f"unknown benchmark {name!r}; available: {', '.join(WORKLOADS)}")
-    module = importlib.import_module(WORKLOADS[name][0])
-    return module.run(**kwargs)
+    module_name, _, func = WORKLOADS[name][0].partition(":")
+    module = importlib.import_module(module_name)
+    return module, getattr(module, func or "run")
+
+
+def run(name: str, **kwargs):
+    return _resolve(name)[1](**kwargs)
+
+
+def main(name: str, argv: list[str] | None = None):
+    """Run a workload with command-line options (what `minillm bench NAME ...` calls)."""
+    import argparse
+
+    module, fn = _resolve(name)
+    parser = argparse.ArgumentParser(prog=f"minillm bench {name}", description=WORKLOADS[name][1])
+    if hasattr(module, "add_arguments"):
+        module.add_arguments(parser, name)
+    args = parser.parse_args(argv or [])
+    return fn(**vars(args))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from ..kernels import store_kv as store_kv_kernels  # kernels/store_kv.py: the kernel and its reference
 
 
 class KVCache:
@@ -85,16 +86,10 @@ class KVCache:
 
     def bind(self, model: torch.nn.Module) -> None:
         """Give each attention layer its (k_cache, v_cache) pair, in layer order."""
-        layers = attention_layers(model)
-        if len(layers) != self.num_layers:
-            raise ValueError(f"the model has {len(layers)} attention layers, the cache {self.num_layers}")
-        for layer, k, v in zip(layers, self.k_caches, self.v_caches):
-            layer.kv_cache = (k, v)
+        bind_caches(model, self.k_caches, self.v_caches)
 
     def unbind(self, model: torch.nn.Module) -> None:
-        for layer in attention_layers(model):
-            if layer.kv_cache is not None and any(layer.kv_cache[0] is k for k in self.k_caches):
-                layer.kv_cache = None
+        unbind_caches(model, self.k_caches)
 
 
 def attention_layers(model: torch.nn.Module) -> list:
@@ -103,14 +98,35 @@ def attention_layers(model: torch.nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 
+def bind_caches(model: torch.nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
+    layers = attention_layers(model)
+    if len(layers) != len(k_caches):
+        raise ValueError(f"the model has {len(layers)} attention layers, the cache {len(k_caches)}")
+    for layer, k, v in zip(layers, k_caches, v_caches):
+        layer.kv_cache = (k, v)
+
+
+def unbind_caches(model: torch.nn.Module, k_caches: list[torch.Tensor]) -> None:
+    """Detach these caches from the model (and only these: another cache may be bound by now)."""
+    for layer in attention_layers(model):
+        if layer.kv_cache is not None and any(layer.kv_cache[0] is k for k in k_caches):
+            layer.kv_cache = None
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write the new tokens' K and V into their cache rows (vLLM: reshape_and_cache).
 
     k, v: [T, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
-    slot_mapping: [T] flat row of each token (block * block_size + offset).
+    slot_mapping: [T] flat row of each token (block * block_size + offset), int64 or int32. A slot < 0
+    (vLLM's PAD_SLOT_ID = -1, a padding token of a CUDA-graph batch) writes nothing.
+
+    On a GPU this is one Triton launch (`minillm.kernels.store_kv`, CUDA-graph capturable); elsewhere,
+    or with MINILLM_KERNELS=torch, its PyTorch reference: index_copy_ into the caches viewed flat.
     """
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])  # [num_blocks * block_size, Hkv, D], no copy
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    flat_k.index_copy_(0, slot_mapping, k)
-    flat_v.index_copy_(0, slot_mapping, v)
+    # Imported here: minillm.layers imports this module (attention calls store_kv), so a module-level
+    # import of minillm.layers.backend would be circular.
+    from ..layers.backend import use_triton
+
+    store = store_kv_kernels.store_kv if use_triton(k) else store_kv_kernels.store_kv_ref
+    store(k, v, k_cache, v_cache, slot_mapping)

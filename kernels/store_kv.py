@@ -1,0 +1,160 @@
+"""Writing the new tokens' K and V into the paged KV cache, as one Triton kernel (vLLM's
+`reshape_and_cache`).
+
+Every attention layer, every step, first puts the keys and values it just computed where later steps
+will read them:
+
+    k, v:             [T, Hkv, D]                              the T new tokens of the batch
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D]         one pair per layer
+    slot_mapping:     [T]   token t goes to flat row slot = block * block_size + offset
+
+Viewed flat, a cache is [num_blocks * block_size, Hkv, D] and the write is a scatter of whole rows:
+`flat_k[slot_mapping[t]] = k[t]`. PyTorch does it with two `index_copy_` launches (K, then V). The
+kernel gives each token to one program, which reads its slot once and copies the token's Hkv x D keys
+and values (one tile each, BLOCK_D = next_power_of_2(D) with the tail masked off, so D = 80 works) to
+that row of both caches: one launch, each number read once and written once, which is all a copy can
+do. There is no arithmetic, so the cache holds exactly k's and v's bits.
+
+Three details the engine relies on:
+- Padding. A slot < 0 (vLLM's PAD_SLOT_ID = -1) writes nothing: the engine pads a decode batch up to
+  the size of a captured CUDA graph, and the padding tokens must not overwrite anyone's cache rows.
+  The kernel decides that on the GPU (a mask), so it never reads a slot back to the host: no `.item()`,
+  no sync, nothing whose size depends on the data, hence capturable in a CUDA graph.
+- Strides. k and v are views of the fused qkv projection's output [T, (Hq + 2 Hkv) * D]: token t's
+  heads sit (Hq + 2 Hkv) * D numbers after token t-1's. The kernel takes the strides instead of a
+  `.contiguous()` copy. Only each head's D numbers must be contiguous.
+- int64 offsets. A cache row is slot * Hkv * D numbers in; a big cache (millions of slots x 1024) is
+  past 2^31, so the row offset is computed in int64.
+A slot past the end of the cache is the caller's bug; the kernel drops such a row rather than write
+outside the cache (the reference raises an IndexError instead).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import INTERPRET
+
+# A pure copy: any float Triton can load. (fp8 caches would need a scale: not here.)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,  # [T, Hkv, D]: token stride stride_kt, head stride stride_kh, D contiguous
+    v_ptr,  # [T, Hkv, D]: token stride stride_vt, head stride stride_vh
+    k_cache_ptr,  # [num_slots, Hkv, D] contiguous: the cache seen flat over its blocks
+    v_cache_ptr,  # [num_slots, Hkv, D] contiguous
+    slot_ptr,  # [T] int32 or int64
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    num_slots,  # num_blocks * block_size
+    Hkv,
+    D,
+    BLOCK_H: tl.constexpr,  # next_power_of_2(Hkv)
+    BLOCK_D: tl.constexpr,  # next_power_of_2(D)
+):
+    t = tl.program_id(0).to(tl.int64)  # int64: T * stride_kt can pass 2^31 in a long prefill
+    slot = tl.load(slot_ptr + t).to(tl.int64)  # int64 whatever the index dtype: slot * Hkv * D below
+    heads = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+    d = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
+    # A padding token (slot < 0) copies zero heads: every lane is masked off, so it loads and stores
+    # nothing. (Folded into the head count rather than and-ed in as a scalar: Triton 3.9's interpreter
+    # turns `tensor_mask & scalar_bool` into int32 and then refuses it as a mask.)
+    n_heads = tl.where((slot >= 0) & (slot < num_slots), Hkv, 0)
+    mask = (heads < n_heads) & (d < D)  # [BLOCK_H, BLOCK_D]
+    k = tl.load(k_ptr + t * stride_kt + heads * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + heads * stride_vh + d, mask=mask)
+    row = slot * Hkv * D  # int64: where this token's [Hkv, D] starts in the flat cache
+    tl.store(k_cache_ptr + row + heads * D + d, k, mask=mask)  # the cache is contiguous: head stride D
+    tl.store(v_cache_ptr + row + heads * D + d, v, mask=mask)
+
+
+def _check(k, v, k_cache, v_cache, slot_mapping, strict: bool) -> None:
+    """k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]; slot_mapping [T] int32/int64; one
+    dtype and device. `strict`: the kernel's extra needs (contiguous caches and head rows, CUDA or the
+    interpreter). bfloat16 is fine under the interpreter here, unlike for the attention kernels
+    (kernels/checks.py): their trouble is bf16 tl.dot and fp32 -> bf16 rounding, and a copy does
+    neither. The test copies all 65536 bf16 bit patterns through the interpreter bit for bit."""
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.dtype.is_floating_point or (strict and t.dtype not in FLOAT_DTYPES):
+            raise TypeError(f"{name} must be a float16, bfloat16, float32 or float64 tensor, got {t.dtype}")
+        if t.dtype != k.dtype:
+            raise TypeError(f"k, v and the caches must share a dtype, got k {k.dtype} and {name} {t.dtype}")
+        if t.device != k.device:
+            raise ValueError(f"{name} is on {t.device} but k is on {k.device}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    if slot_mapping.device != k.device:
+        raise ValueError(f"slot_mapping is on {slot_mapping.device} but k is on {k.device}")
+    if k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"k and v must both be 3-D [T, num_kv_heads, head_dim], got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[2:] != k.shape[1:]:
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, {k.shape[1]}, "
+                         f"{k.shape[2]}] to match k, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if slot_mapping.shape != k.shape[:1]:
+        raise ValueError(f"slot_mapping must have shape [T] = ({k.shape[0]},), got {tuple(slot_mapping.shape)}")
+    if not strict:
+        return
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[2] > 1 and t.stride(2) != 1:
+            raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {t.stride()}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+    if k.device.type != "cuda" and not INTERPRET:
+        raise ValueError(f"the Triton kernels need CUDA tensors (k is on {k.device}) or Triton's "
+                         "interpreter: set TRITON_INTERPRET=1 before minillm is imported")
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write k[t], v[t] ([T, Hkv, D]) into flat row slot_mapping[t] of k_cache, v_cache
+    ([num_blocks, block_size, Hkv, D]), in place; a slot < 0 writes nothing. One launch, no host sync."""
+    _check(k, v, k_cache, v_cache, slot_mapping, strict=True)
+    T, Hkv, D = k.shape
+    if T == 0 or k_cache.numel() == 0:
+        return
+    BLOCK_H, BLOCK_D = triton.next_power_of_2(Hkv), triton.next_power_of_2(D)
+    # A copy wants wide loads, not many threads: about 8 numbers per thread, at most 8 warps.
+    num_warps = min(max(BLOCK_H * BLOCK_D // 256, 1), 8)
+    _store_kv_kernel[(T,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.shape[0] * k_cache.shape[1],
+        Hkv,
+        D,
+        BLOCK_H=BLOCK_H,
+        BLOCK_D=BLOCK_D,
+        num_warps=num_warps,
+    )
+
+
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """The plain-PyTorch write the kernel is tested against: same arguments, same effect.
+
+    The boolean mask below sizes a tensor by the data (a host sync), so unlike the kernel this is
+    not CUDA-graph capturable when the batch has padding."""
+    _check(k, v, k_cache, v_cache, slot_mapping, strict=False)
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])  # [num_blocks * block_size, Hkv, D], no copy
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    slots = slot_mapping.long()  # index_copy_ wants int64
+    keep = slots >= 0  # padding rows (PAD_SLOT_ID = -1) are dropped
+    flat_k.index_copy_(0, slots[keep], k[keep])
+    flat_v.index_copy_(0, slots[keep], v[keep])

@@ -1,0 +1,134 @@
+"""The paged KV cache: one pool of fixed-size blocks per layer, shared by every sequence (chapter 05).
+
+Chapter 03 reserved a contiguous region of max_len tokens per sequence. Most sequences end far
+shorter, so most of that memory is reserved and never written (the vLLM paper measured 60-80 % of
+KV memory wasted that way in earlier systems). Paging cuts the cache into blocks of `block_size`
+tokens, hands them out one at a time as a sequence grows, and finds them again through the
+sequence's block table, exactly as an OS finds pages through a page table:
+
+    k_caches[layer]: [num_blocks, block_size, num_kv_heads, head_dim]       (and v_caches)
+    token at position p of a sequence whose block table is bt  ->  row bt[p // block_size] * block_size
+                                                                       + p % block_size  (its slot)
+
+Waste is now at most block_size - 1 tokens per sequence (its last, partly filled block). Which block
+belongs to whom is the BlockManager's business (minillm/engine/block_manager.py); this file owns
+the memory: the GPU pool, an optional CPU pool for swapped-out sequences, and the block copies
+that copy-on-write and swapping need.
+
+Block 0 is never handed out: padded rows of a CUDA-graph batch point their block tables at it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from .kv_cache import bind_caches, unbind_caches
+
+
+class PagedKVCache:
+    """GPU (and optional CPU) block pools for every attention layer of one model."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str, num_cpu_blocks: int = 0):
+        for name, value, low in (("num_layers", num_layers, 1), ("num_kv_heads", num_kv_heads, 1),
+                                 ("head_dim", head_dim, 1), ("num_blocks", num_blocks, 2),
+                                 ("block_size", block_size, 1), ("num_cpu_blocks", num_cpu_blocks, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"PagedKVCache {name} must be an int >= {low}, not {value!r}")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
+        self.dtype, self.device = dtype, torch.device(device)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        cpu_shape = (num_cpu_blocks, *shape[1:])
+        pin = self.device.type == "cuda"  # pinned host memory: copies run at full PCIe speed, async
+        self.k_cpu = [torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers if num_cpu_blocks else 0)]
+        self.v_cpu = [torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers if num_cpu_blocks else 0)]
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                  device: torch.device | str, num_cpu_blocks: int = 0) -> PagedKVCache:
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, num_blocks, block_size, dtype, device,
+                   num_cpu_blocks)
+
+    # ---- sizing ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """K and V of block_size tokens in every layer: chapter 00's bytes per token x block_size."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize * block_size
+
+    @classmethod
+    def blocks_for_memory(cls, config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
+                          gpu_memory_utilization: float) -> int:
+        """How many blocks fit in the part of the GPU's memory we may use, after what is already taken
+        (weights, activations of a warm-up pass): vLLM's gpu_memory_utilization."""
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {gpu_memory_utilization!r}")
+        if device.type != "cuda":
+            raise ValueError("sizing the KV cache from free memory needs a GPU; pass num_gpu_blocks on a CPU")
+        free, total = torch.cuda.mem_get_info(device)
+        mine = torch.cuda.memory_reserved(device)  # this process: weights, warm-up activations
+        # Our share of the whole GPU, less what we already hold; never more than is actually free
+        # (other processes may share the GPU: parallel test workers, a notebook).
+        budget = min(int(total * gpu_memory_utilization) - mine, int(free * 0.95))
+        n = budget // cls.block_bytes(config, block_size, dtype)
+        if n < 2:
+            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} leaves no room for the KV cache "
+                             f"({mine / 2**30:.1f} GiB held by this process, {free / 2**30:.1f} of "
+                             f"{total / 2**30:.1f} GiB free)")
+        return int(n)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k_caches[0].element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k_caches + self.v_caches)
+
+    # ---- block copies: copy-on-write and swapping --------------------------------------------------
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """GPU block src -> GPU block dst in every layer (copy-on-write of a shared, partly filled block)."""
+        if not pairs:
+            return
+        src, dst = self._index(pairs, self.device)
+        for caches in (self.k_caches, self.v_caches):
+            for c in caches:
+                c.index_copy_(0, dst, c.index_select(0, src))  # [n, block_size, Hkv, D] per layer
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """GPU block -> CPU block, for a sequence preempted by swapping."""
+        self._swap(pairs, self.k_caches + self.v_caches, self.k_cpu + self.v_cpu)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """CPU block -> GPU block, when a swapped sequence comes back."""
+        self._swap(pairs, self.k_cpu + self.v_cpu, self.k_caches + self.v_caches)
+
+    def _swap(self, pairs, sources, targets) -> None:
+        if not pairs:
+            return
+        if not self.num_cpu_blocks:
+            raise RuntimeError("this cache has no CPU blocks to swap with (num_cpu_blocks=0)")
+        for s, t in zip(sources, targets):
+            src, dst = self._index(pairs, s.device)
+            rows = s.index_select(0, src)  # [n, block_size, Hkv, D] on the source device
+            # A blocking copy: the CPU-side index_copy_ must not read rows still in flight from the GPU.
+            t.index_copy_(0, dst.to(t.device), rows.to(t.device))
+
+    @staticmethod
+    def _index(pairs, device) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.tensor(pairs, dtype=torch.int64).T  # [2, n]
+        return idx[0].to(device), idx[1].to(device)
+
+    # ---- wiring into a model ---------------------------------------------------------------------
+
+    def bind(self, model: torch.nn.Module) -> None:
+        bind_caches(model, self.k_caches, self.v_caches)
+
+    def unbind(self, model: torch.nn.Module) -> None:
+        unbind_caches(model, self.k_caches)

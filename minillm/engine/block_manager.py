@@ -1,0 +1,169 @@
+"""BlockManager: which KV-cache blocks belong to which sequence (chapter 05).
+
+The pool of blocks is PagedKVCache's memory; this is its bookkeeping, all on the CPU:
+
+  * a free list of block ids, and a reference count per block;
+  * a block table per sequence: block_tables[seq_id][i] holds that sequence's tokens
+    [i * block_size, (i + 1) * block_size);
+  * sharing: `fork` gives a child sequence the parent's table and bumps every count (parallel
+    sampling, n > 1, prefills the prompt once). A shared block is read-only: before a sequence writes
+    into one (its last, partly filled block) it gets a private copy (copy-on-write), and the copy
+    (src, dst) is queued in `pending_copies` for the model runner to do on the GPU;
+  * with a prefix cache (chapter 06), full blocks are named by their tokens, a new sequence starts
+    from the blocks it shares with earlier ones, and blocks nobody uses stay cached until evicted;
+  * swapping (chapter 07): a preempted sequence's blocks move to a CPU pool and back.
+
+Block 0 is reserved: padded rows of a CUDA-graph batch point at it, so it is never handed out.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from .prefix_cache import PrefixCache
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
+                 prefix_cache: PrefixCache | None = None):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), not {num_blocks}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free_blocks: deque[int] = deque(range(1, num_blocks))
+        self.ref_counts = [0] * num_blocks
+        self.block_tables: dict[int, list[int]] = {}
+        self.prefix_cache = prefix_cache
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, for the runner
+        self.free_cpu_blocks: deque[int] = deque(range(num_cpu_blocks))
+        self.cpu_tables: dict[int, list[int]] = {}  # swapped-out sequences' CPU blocks
+        self.peak_used = 0
+
+    # ---- counting --------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new allocation may take: never used, or cached but unused (evictable)."""
+        evictable = self.prefix_cache.num_evictable if self.prefix_cache else 0
+        return len(self.free_blocks) + evictable
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - 1 - self.num_free_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    # ---- prefix cache ----------------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Cached blocks a new sequence can start from. At least one token is left to compute, since
+        the model must run on the last token to predict the next one."""
+        if self.prefix_cache is None:
+            return []
+        return self.prefix_cache.match(token_ids, (len(token_ids) - 1) // self.block_size)
+
+    def count_prefix_hits(self, token_ids: list[int], num_hits: int) -> None:
+        """Hit statistics, once per admitted sequence (not per admission attempt)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.count((len(token_ids) - 1) // self.block_size, num_hits)
+
+    def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
+        """Name the full blocks whose K/V are now computed, so later sequences can find them."""
+        if self.prefix_cache is not None:
+            full = num_computed // self.block_size
+            self.prefix_cache.insert(token_ids, self.block_tables[seq_id][:full])
+
+    # ---- allocation ------------------------------------------------------------------------------
+
+    def allocate_slots(self, seq_id: int, num_tokens: int, num_new: int, computed_blocks: list[int] = ()) -> bool:
+        """Make room for tokens [num_tokens - num_new, num_tokens) of a sequence; False (and nothing
+        changed) if the pool cannot. computed_blocks: prefix-cache hits, for a sequence's first call."""
+        table = self.block_tables.get(seq_id, [])
+        if computed_blocks and table:
+            raise ValueError(f"sequence {seq_id} already has blocks; prefix hits only start a sequence")
+        have = len(table) + len(computed_blocks)
+        new = max(0, self.blocks_needed(num_tokens) - have)
+        first, last = (num_tokens - num_new) // self.block_size, (num_tokens - 1) // self.block_size
+        cow = [i for i in range(first, min(last + 1, len(table))) if self.ref_counts[table[i]] > 1]
+        revived = [b for b in computed_blocks if self.ref_counts[b] == 0]  # evictable now, taken back
+        if new + len(cow) + len(revived) > self.num_free_blocks:
+            return False
+        for b in computed_blocks:
+            self._take(b)
+        table = self.block_tables.setdefault(seq_id, [])
+        table.extend(computed_blocks)
+        for i in cow:  # a shared block about to be written: this sequence gets its own copy
+            dst = self._new_block()
+            self.pending_copies.append((table[i], dst))
+            self._drop(table[i])
+            table[i] = dst
+        table.extend(self._new_block() for _ in range(new))
+        self.peak_used = max(self.peak_used, self.num_used_blocks)
+        return True
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent (copy-on-write later)."""
+        table = self.block_tables[parent_id]
+        for b in table:
+            self.ref_counts[b] += 1
+        self.block_tables[child_id] = list(table)
+
+    def free(self, seq_id: int) -> None:
+        for b in reversed(self.block_tables.pop(seq_id, [])):  # tail first: the prefix stays cached longest
+            self._drop(b)
+        for b in self.cpu_tables.pop(seq_id, []):
+            self.free_cpu_blocks.append(b)
+
+    def _new_block(self) -> int:
+        if self.free_blocks:
+            b = self.free_blocks.popleft()
+        else:
+            b = self.prefix_cache.evict() if self.prefix_cache else None
+            if b is None:
+                raise RuntimeError("no free KV block (the scheduler should have checked)")
+        self.ref_counts[b] = 1
+        return b
+
+    def _take(self, b: int) -> None:
+        if self.ref_counts[b] == 0:
+            self.prefix_cache.acquire(b)
+        self.ref_counts[b] += 1
+
+    def _drop(self, b: int) -> None:
+        self.ref_counts[b] -= 1
+        if self.ref_counts[b] == 0:
+            if self.prefix_cache is not None and b in self.prefix_cache:
+                self.prefix_cache.release(b)  # keep its K/V: a later prompt may share it
+            else:
+                self.free_blocks.append(b)
+
+    # ---- swapping --------------------------------------------------------------------------------
+
+    def can_swap_out(self, seq_id: int) -> bool:
+        return len(self.block_tables.get(seq_id, [])) <= len(self.free_cpu_blocks)
+
+    def swap_out(self, seq_id: int) -> list[tuple[int, int]]:
+        """Move a sequence's blocks to the CPU pool; returns (gpu, cpu) pairs to copy."""
+        table = self.block_tables.pop(seq_id)
+        cpu = [self.free_cpu_blocks.popleft() for _ in table]
+        self.cpu_tables[seq_id] = cpu
+        pairs = list(zip(table, cpu))
+        for b in reversed(table):
+            self._drop(b)
+        return pairs
+
+    def can_swap_in(self, seq_id: int) -> bool:
+        return len(self.cpu_tables[seq_id]) <= self.num_free_blocks
+
+    def swap_in(self, seq_id: int) -> list[tuple[int, int]]:
+        """Bring a swapped sequence back into fresh GPU blocks; returns (cpu, gpu) pairs to copy."""
+        cpu = self.cpu_tables.pop(seq_id)
+        table = [self._new_block() for _ in cpu]
+        self.block_tables[seq_id] = table
+        self.free_cpu_blocks.extend(cpu)
+        self.peak_used = max(self.peak_used, self.num_used_blocks)
+        return list(zip(cpu, table))

@@ -1,0 +1,201 @@
+"""Prefix caching: find blocks whose K/V some earlier sequence already computed (chapter 06).
+
+Two requests that begin with the same tokens (a system prompt, the earlier turns of a chat) compute
+the same keys and values for those tokens: a token's K/V depend only on the tokens before it. So a
+full block of K/V is named by *everything up to its end*, and a new sequence can borrow every block
+whose name it shares instead of computing it. Two ways to find the names, over the same block pool:
+
+  * HashPrefixCache (vLLM's automatic prefix caching): block i's key is hash(key of block i-1,
+    tokens of block i), a chain, so one dict lookup per block finds the longest shared prefix.
+  * RadixPrefixCache (SGLang's RadixAttention): a tree whose edges are blocks of token ids; the path
+    from the root spells the prefix. Matching walks down; evicting removes leaves.
+
+Both keep blocks that no sequence uses any more (reference count 0) instead of freeing them, and
+give them back least-recently-used first when the pool runs dry. The BlockManager owns reference
+counts; it tells the cache when a cached block becomes unused (`release`) or used again (`acquire`).
+Only full blocks are cached: a partly written block's name is not known yet.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+
+
+def block_tokens(token_ids: list[int], block_size: int, num_blocks: int) -> list[tuple[int, ...]]:
+    """The token ids of each of the first num_blocks full blocks."""
+    return [tuple(token_ids[i * block_size : (i + 1) * block_size]) for i in range(num_blocks)]
+
+
+class PrefixCache:
+    """What the BlockManager needs from either structure."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.queries = self.query_tokens = self.hit_tokens = 0  # statistics, for the chapter's plots
+
+    def match(self, token_ids: list[int], max_blocks: int) -> list[int]:
+        """Blocks holding the longest cached prefix of token_ids (at most max_blocks full blocks)."""
+        raise NotImplementedError
+
+    def insert(self, token_ids: list[int], block_ids: list[int]) -> None:
+        """Record that block_ids[i] holds the K/V of full block i of token_ids."""
+        raise NotImplementedError
+
+    def __contains__(self, block: int) -> bool:
+        raise NotImplementedError
+
+    def release(self, block: int) -> None:
+        """A cached block's last user let go of it: keep it, but it may be evicted."""
+        raise NotImplementedError
+
+    def acquire(self, block: int) -> None:
+        """An evictable block is in use again."""
+        raise NotImplementedError
+
+    def evict(self) -> int | None:
+        """Forget the least recently used evictable block and return it (None: nothing to evict)."""
+        raise NotImplementedError
+
+    @property
+    def num_evictable(self) -> int:
+        raise NotImplementedError
+
+    def count(self, asked: int, hit: int) -> None:
+        """Statistics of one admitted sequence: `asked` full blocks looked up, `hit` of them found."""
+        self.queries += 1
+        self.query_tokens += asked * self.block_size
+        self.hit_tokens += hit * self.block_size
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of the full-block tokens asked for that were found."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class HashPrefixCache(PrefixCache):
+    def __init__(self, block_size: int):
+        super().__init__(block_size)
+        self._block_of: dict[int, int] = {}  # chain hash -> block
+        self._hash_of: dict[int, int] = {}  # block -> chain hash
+        self._lru: OrderedDict[int, None] = OrderedDict()  # evictable blocks, least recently used first
+
+    def _keys(self, token_ids: list[int], num_blocks: int):
+        key = None  # Python's tuple hash: 64 bits; a collision would need ~2^32 distinct cached blocks
+        for tokens in block_tokens(token_ids, self.block_size, num_blocks):
+            key = hash((key, tokens))
+            yield key
+
+    def match(self, token_ids, max_blocks):
+        found = []
+        for key in self._keys(token_ids, max_blocks):
+            block = self._block_of.get(key)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def insert(self, token_ids, block_ids):
+        for key, block in zip(self._keys(token_ids, len(block_ids)), block_ids):
+            if key not in self._block_of and block not in self._hash_of:  # first writer names it
+                self._block_of[key], self._hash_of[block] = block, key
+
+    def __contains__(self, block):
+        return block in self._hash_of
+
+    def release(self, block):
+        self._lru[block] = None  # newest at the end
+
+    def acquire(self, block):
+        self._lru.pop(block, None)
+
+    def evict(self):
+        if not self._lru:
+            return None
+        block, _ = self._lru.popitem(last=False)
+        del self._block_of[self._hash_of.pop(block)]
+        return block
+
+    @property
+    def num_evictable(self):
+        return len(self._lru)
+
+
+class _Node:
+    __slots__ = ("block", "children", "last_used", "parent", "tokens")
+
+    def __init__(self, tokens: tuple[int, ...], block: int, parent: _Node | None):
+        self.tokens, self.block, self.parent = tokens, block, parent
+        self.children: dict[tuple[int, ...], _Node] = {}
+        self.last_used = 0
+
+
+class RadixPrefixCache(PrefixCache):
+    def __init__(self, block_size: int):
+        super().__init__(block_size)
+        self.root = _Node((), -1, None)
+        self._node_of: dict[int, _Node] = {}  # block -> its node
+        self._evictable: set[int] = set()  # cached blocks with no user
+        self._clock = itertools.count(1)
+
+    def match(self, token_ids, max_blocks):
+        node, found, now = self.root, [], next(self._clock)
+        for tokens in block_tokens(token_ids, self.block_size, max_blocks):
+            node = node.children.get(tokens)
+            if node is None:
+                break
+            node.last_used = now
+            found.append(node.block)
+        return found
+
+    def insert(self, token_ids, block_ids):
+        node, now = self.root, next(self._clock)
+        for tokens, block in zip(block_tokens(token_ids, self.block_size, len(block_ids)), block_ids):
+            child = node.children.get(tokens)
+            if child is None:
+                if block in self._node_of:  # already names another path (cannot happen for a chain)
+                    return
+                child = node.children[tokens] = _Node(tokens, block, node)
+                self._node_of[block] = child
+            elif child.block != block:
+                # Another sequence computed this block too and named it first. Stop here, so a cached
+                # node's users always hold its parent too: then an unused node's subtree is all unused,
+                # and whenever anything is evictable, some leaf is.
+                return
+            child.last_used = max(child.last_used, now)
+            node = child
+
+    def __contains__(self, block):
+        return block in self._node_of
+
+    def release(self, block):
+        self._evictable.add(block)
+        self._node_of[block].last_used = next(self._clock)
+
+    def acquire(self, block):
+        self._evictable.discard(block)
+
+    def evict(self):
+        # Only leaves: an inner node's children are named through it. The least recently used leaf goes.
+        leaves = [b for b in self._evictable if not self._node_of[b].children]
+        if not leaves:
+            return None
+        block = min(leaves, key=lambda b: self._node_of[b].last_used)
+        node = self._node_of.pop(block)
+        del node.parent.children[node.tokens]
+        self._evictable.discard(block)
+        return block
+
+    @property
+    def num_evictable(self):
+        return len(self._evictable)
+
+
+def make_prefix_cache(kind: str | None, block_size: int) -> PrefixCache | None:
+    if kind is None:
+        return None
+    if kind == "hash":
+        return HashPrefixCache(block_size)
+    if kind == "radix":
+        return RadixPrefixCache(block_size)
+    raise ValueError(f"enable_prefix_caching must be None/False, True/'hash' or 'radix', not {kind!r}")

@@ -1,0 +1,167 @@
+"""The Scheduler: every step, decide which sequences run and how many of their tokens (chapter 07).
+
+Static batching runs a batch until its longest member finishes; the slots of the short ones idle.
+Continuous batching (Orca's iteration-level scheduling) decides again at every step:
+
+    1. running sequences, highest priority first (and within a priority, decodes before prompt
+       chunks): each gets its next tokens (1 when decoding, a chunk of its prompt while prefilling),
+       while the step's token budget lasts. If the pool has
+       no block for one, the lowest-priority running sequence is preempted (possibly itself):
+         recompute - its blocks are freed and it goes back to waiting, to be prefilled again
+         swap      - its blocks are copied to CPU memory and it waits in `swapped`
+    2. if nobody was preempted: swapped sequences come back, then waiting ones are admitted
+       (a prefix-cache hit skips their cached tokens), while the budget, the block pool and
+       max_num_seqs allow. A prompt longer than what is left of the budget is cut: chunked prefill,
+       so one long prompt never stalls everybody's decode.
+
+Order is (priority, arrival): lower priority values go first, then first come, first served.
+Finished sequences leave at once (`finish`), so their blocks serve someone else the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..sequence import Sequence, SequenceStatus
+from .block_manager import BlockManager
+from .config import EngineConfig
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to run now)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config, self.bm = config, block_manager
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.num_preemptions = 0
+        self._order: dict[int, tuple] = {}  # seq_id -> (priority, arrival, seq_id)
+
+    def add(self, seq: Sequence, priority: int, arrival: int) -> None:
+        self._order[seq.seq_id] = (priority, arrival, seq.seq_id)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence, like: Sequence) -> None:
+        """A forked sequence joins the running queue in its parent's place in the order."""
+        self._order[seq.seq_id] = self._order[like.seq_id][:2] + (seq.seq_id,)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def _key(self, seq: Sequence) -> tuple:
+        return self._order[seq.seq_id]
+
+    # ---- one step --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        # Within a priority, decodes before prompt chunks (Sarathi-Serve): a long prompt never delays
+        # the next token of a sequence already generating.
+        queue = sorted(self.running, key=lambda s: (self._key(s)[0], s.num_tokens - s.num_computed_tokens > 1,
+                                                    *self._key(s)[1:]))
+        self.running = []
+        while queue:
+            seq = queue.pop(0)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n > 0:
+                while not self.bm.allocate_slots(seq.seq_id, seq.num_computed_tokens + n, n):
+                    victim = queue.pop() if queue else seq  # lowest priority first; itself last
+                    self._preempt(victim, out)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
+                out.scheduled.append((seq, n))
+                budget -= n
+            self.running.append(seq)
+        if not out.preempted:  # vLLM's rule: no admissions in a step that had to preempt
+            budget = self._swap_in(out, budget)
+            self._admit(out, budget)
+        out.blocks_to_copy, self.bm.pending_copies = self.bm.pending_copies, []
+        return out
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        self.swapped.sort(key=self._key)
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if len(self.bm.cpu_tables[seq.seq_id]) + self.bm.blocks_needed(n) + 1 > self.bm.num_free_blocks:
+                break
+            self.swapped.pop(0)
+            out.blocks_to_swap_in += self.bm.swap_in(seq.seq_id)
+            if not self.bm.allocate_slots(seq.seq_id, seq.num_computed_tokens + n, n):
+                raise RuntimeError("swap-in: blocks counted free were not")  # cannot happen: checked above
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        self.waiting.sort(key=self._key)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.bm.match_prefix(seq.token_ids)
+            computed = len(hits) * self.bm.block_size
+            n = min(seq.num_tokens - computed, budget)
+            if not self.bm.allocate_slots(seq.seq_id, computed + n, n, hits):
+                break  # the pool is full: wait for blocks (FCFS: nobody overtakes the head)
+            self.waiting.pop(0)
+            self.bm.count_prefix_hits(seq.token_ids, len(hits))
+            seq.num_computed_tokens = computed
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        if self.config.preemption_mode == "swap" and self.bm.can_swap_out(seq.seq_id):
+            out.blocks_to_swap_out += self.bm.swap_out(seq.seq_id)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            return
+        self.bm.free(seq.seq_id)  # recompute: the K/V will be computed again from the tokens
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    # ---- leaving ---------------------------------------------------------------------------------
+
+    def finish(self, seq: Sequence) -> None:
+        self._remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def abort(self, seq: Sequence) -> None:
+        self._remove(seq)
+        if seq.status is not SequenceStatus.FINISHED:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = seq.finish_reason or "abort"
+
+    def _remove(self, seq: Sequence) -> None:
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        self.bm.free(seq.seq_id)
+        self._order.pop(seq.seq_id, None)
