@@ -147,3 +147,21 @@ def widget(fn: Callable, **controls):
         print("ipywidgets is not installed: `pip install ipywidgets` to turn the knobs here")
         return None
     return ipywidgets.interact(fn, **controls)
+
+
+def tiny_random_model(seed: int = 0, max_len: int = 4096, dev: torch.device | None = None):
+    """A 2-layer Llama with SmolLM2's vocabulary and random weights, large enough that the logits
+    have clear winners (as tests/tiny_models.py makes them): the CPU stand-in for the real model
+    in the engine notebooks. -> (model, config)."""
+    from .config import ModelConfig
+    from .loader import load_model
+
+    cfg = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=max_len, name="tiny-random")
+    m, _, _ = load_model(cfg, load_format="dummy", dtype=torch.float32, device=dev or device())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            norm = "norm" in name
+            p.copy_(torch.randn(p.shape, generator=g) * (0.1 if norm else 0.3) + (1.0 if norm else 0.0))
+    return m, cfg

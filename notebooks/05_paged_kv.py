@@ -76,24 +76,10 @@ def record_schedules(engine):
 # (`generate_sequences`), one request at a time.
 
 # %%
-def tiny_random_model(seed=0, max_len=4096):
-    """A 2-layer Llama with SmolLM2's vocabulary and random weights, large enough that the logits
-    have clear winners (as tests/tiny_models.py makes them)."""
-    cfg = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=max_len, name="tiny-random")
-    m, _, _ = load_model(cfg, load_format="dummy", dtype=torch.float32, device=dev)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            norm = "norm" in name
-            p.copy_(torch.randn(p.shape, generator=g) * (0.1 if norm else 0.3) + (1.0 if norm else 0.0))
-    return m, cfg
-
-
 if nb.on_gpu():
     model, mcfg, tok = load_model(None, dtype=torch.float32, device=dev)
 else:
-    (model, mcfg), tok = tiny_random_model(), load_tokenizer()
+    (model, mcfg), tok = nb.tiny_random_model(), load_tokenizer()
 eos = sorted(set(mcfg.eos_token_ids or [tok.eos_token_id]))
 print(f"model: {mcfg.name}, {mcfg.num_layers} layers, fp32 on {dev}")
 prompts = ["The capital of France is", "def fibonacci(n):", "A haiku about the sea:\n",

@@ -86,21 +86,7 @@ show_tree(cache.root)
 # the generated tokens fed back), the tokens saved (`hit_tokens`), the evictions, and the wall time.
 
 # %%
-def tiny_random_model(seed=0, max_len=4096):
-    """A 2-layer Llama with SmolLM2's vocabulary and random weights, large enough that the logits
-    have clear winners (as tests/tiny_models.py makes them)."""
-    cfg = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=max_len, name="tiny-random")
-    m, _, _ = load_model(cfg, load_format="dummy", dtype=torch.float32, device=dev)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            norm = "norm" in name
-            p.copy_(torch.randn(p.shape, generator=g) * (0.1 if norm else 0.3) + (1.0 if norm else 0.0))
-    return m, cfg
-
-
-tiny, tiny_cfg = tiny_random_model()
+tiny, tiny_cfg = nb.tiny_random_model()
 if nb.on_gpu():
     model, mcfg, tok = load_model(None, dtype=torch.float32, device=dev)
 else:

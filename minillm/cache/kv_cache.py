@@ -26,7 +26,20 @@ from ..config import ModelConfig
 from ..kernels import store_kv as store_kv_kernels  # kernels/store_kv.py: the kernel and its reference
 
 
-class KVCache:
+class CacheSizes:
+    """Chapter 00's formula, now as real allocations (for any cache with k_caches/v_caches lists)."""
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k_caches[0].element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k_caches + self.v_caches)
+
+
+class KVCache(CacheSizes):
     """Contiguous per-sequence K/V storage for every layer of one model."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, max_len: int,
@@ -47,17 +60,6 @@ class KVCache:
     def for_model(cls, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype,
                   device: torch.device | str) -> KVCache:
         return cls(config.num_layers, config.num_kv_heads, config.head_dim, num_slots, max_len, dtype, device)
-
-    # ---- sizes (chapter 00's formula, now as real allocations) ------------------------------------
-
-    @property
-    def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k_caches[0].element_size()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k_caches + self.v_caches)
 
     # ---- slots -----------------------------------------------------------------------------------
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from .kv_cache import bind_caches, unbind_caches
+from .kv_cache import CacheSizes, bind_caches, unbind_caches
 
 
-class PagedKVCache:
+class PagedKVCache(CacheSizes):
     """GPU (and optional CPU) block pools for every attention layer of one model."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
@@ -81,14 +81,6 @@ class PagedKVCache:
                              f"({mine / 2**30:.1f} GiB held by this process, {free / 2**30:.1f} of "
                              f"{total / 2**30:.1f} GiB free)")
         return int(n)
-
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k_caches[0].element_size()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k_caches + self.v_caches)
 
     # ---- block copies: copy-on-write and swapping --------------------------------------------------
 
