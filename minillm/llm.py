@@ -110,7 +110,7 @@ class LLM:
         try:
             with tqdm(total=len(order), desc="generating", disable=not use_tqdm or len(order) < 2) as bar:
                 while len(done) < len(order):
-                    for out in engine.step():
+                    for out in engine.step(unfinished_outputs=False):
                         if out.finished:
                             done[out.request_id] = out
                             bar.update(1)

@@ -83,6 +83,10 @@ class BlockManager:
         """Make room for tokens [num_tokens - num_new, num_tokens) of a sequence; False (and nothing
         changed) if the pool cannot. computed_blocks: prefix-cache hits, for a sequence's first call."""
         table = self.block_tables.get(seq_id, [])
+        if num_new == 1 and not computed_blocks:  # the common case, a decode: room in an unshared last block?
+            i = (num_tokens - 1) // self.block_size
+            if i < len(table) and self.ref_counts[table[i]] == 1:
+                return True
         if computed_blocks and table:
             raise ValueError(f"sequence {seq_id} already has blocks; prefix hits only start a sequence")
         have = len(table) + len(computed_blocks)

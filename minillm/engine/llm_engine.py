@@ -144,8 +144,10 @@ class LLMEngine:
 
     # ---- one step --------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns the requests that got new tokens (finished ones for the last time)."""
+    def step(self, unfinished_outputs: bool = True) -> list[RequestOutput]:
+        """Run one scheduler step; returns the requests that got new tokens (finished ones for the last
+        time). unfinished_outputs=False returns only the requests that finished: a caller that does not
+        stream skips copying every running sequence's tokens at every step."""
         sched = self.scheduler.schedule()
         self.runner.swap_and_copy(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
         if sched.is_empty:
@@ -197,7 +199,8 @@ class LLMEngine:
                 self.groups.pop(group.request_id, None)
                 for s in group.seqs:
                     self._group_of.pop(s.seq_id, None)
-            outputs.append(group.to_output())
+            if group.finished or unfinished_outputs:
+                outputs.append(group.to_output())
         return outputs
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:

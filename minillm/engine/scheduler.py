@@ -77,8 +77,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         # Within a priority, decodes before prompt chunks (Sarathi-Serve): a long prompt never delays
         # the next token of a sequence already generating.
-        queue = sorted(self.running, key=lambda s: (self._key(s)[0], s.num_tokens - s.num_computed_tokens > 1,
-                                                    *self._key(s)[1:]))
+        order = self._order
+        queue = sorted(self.running, key=lambda s: (order[s.seq_id][0], s.num_tokens - s.num_computed_tokens > 1,
+                                                    order[s.seq_id][1:]))
         self.running = []
         while queue:
             seq = queue.pop(0)
