@@ -35,7 +35,9 @@ def _sampling(args):
 def _load(args):
     from .llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device)
+    # generate and chat stream one request at a time: a decode graph for batch 1 is all they replay,
+    # and capturing one graph instead of twenty keeps start-up short on a GPU
+    return LLM(args.model, dtype=args.dtype, device=args.device, cuda_graph_max_batch=1)
 
 
 def _stream(llm, prompt: str, params) -> str:
