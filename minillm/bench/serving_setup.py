@@ -16,6 +16,8 @@ import numpy as np
 import torch
 
 from ..config import PRESETS, ModelConfig, preset
+from ..engine.config import positive_int as check_positive
+from ..kv_memory import kv_bytes_per_token
 
 DUMMY = "-dummy"
 
@@ -54,8 +56,8 @@ class ServingModels:
         return total
 
     def kv_bytes_per_token(self) -> int:
-        c = self.config
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        c, itemsize = self.config, torch.empty((), dtype=self.dtype).element_size()
+        return int(kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, itemsize))
 
 
 def load_models(model, device: torch.device, dtype: torch.dtype | None = None) -> ServingModels:
@@ -101,11 +103,6 @@ def percentiles(values, prefix: str, scale: float = 1e3) -> dict:
     return {f"{prefix}_p50_ms": float(p50), f"{prefix}_p99_ms": float(p99)}
 
 
-def check_positive(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, not {value!r}")
-
-
 def check_range(name: str, lo, hi) -> None:
     check_positive(f"min_{name}", lo)
     check_positive(f"max_{name}", hi)
@@ -136,9 +133,6 @@ def free_engine(engine) -> None:
     import gc
 
     engine.shutdown()
-    engine.runner.graphs.clear()
-    engine.cache.k_caches.clear()
-    engine.cache.v_caches.clear()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

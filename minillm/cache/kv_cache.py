@@ -24,6 +24,7 @@ import torch
 
 from ..config import ModelConfig
 from ..kernels import store_kv as store_kv_kernels  # kernels/store_kv.py: the kernel and its reference
+from ..kv_memory import kv_bytes_per_token
 
 
 class CacheSizes:
@@ -32,7 +33,8 @@ class CacheSizes:
     @property
     def bytes_per_token(self) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k_caches[0].element_size()
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return int(kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, itemsize))
 
     @property
     def nbytes(self) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from ..kv_memory import kv_bytes_per_token
 from .kv_cache import CacheSizes, bind_caches, unbind_caches
 
 
@@ -59,7 +60,7 @@ class PagedKVCache(CacheSizes):
     def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         """K and V of block_size tokens in every layer: chapter 00's bytes per token x block_size."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize * block_size
+        return int(kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, itemsize)) * block_size
 
     @classmethod
     def blocks_for_memory(cls, config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,

@@ -26,10 +26,10 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_batch"):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         for name in ("num_gpu_blocks", "max_model_len"):
             if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
+                positive_int(name, getattr(self, name))
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2 (block 0 is reserved), not {self.num_gpu_blocks}")
         if self.num_cpu_blocks is not None and (not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0):
@@ -51,6 +51,6 @@ class EngineConfig:
             raise TypeError(f"enforce_eager must be True or False, not {self.enforce_eager!r}")
 
 
-def _positive_int(name: str, value) -> None:
+def positive_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, not {value!r}")

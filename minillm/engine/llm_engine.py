@@ -237,7 +237,12 @@ class LLMEngine:
                 "prefix_hit_tokens": pc.hit_tokens if pc else 0}
 
     def shutdown(self) -> None:
+        """Detach the cache from the model and let its memory go (the pool, the CUDA graphs and their
+        buffers), so another engine, or a peer in the same process, gets the GPU's memory back."""
         self.cache.unbind(self.model)
+        self.runner.graphs.clear()
+        self.cache.k_caches.clear()
+        self.cache.v_caches.clear()
 
 
 def _plain_greedy(p: SamplingParams) -> bool:
