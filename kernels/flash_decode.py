@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .checks import INTERPRET, check_index, check_qkv, check_window
-from .flash_attn import LOG2E, _dot, attention_ref, gather_kv
+from .flash_attn import LOG2E, _dot, attention_ref, gather_kv, prune_fp32
 
 MAX_SPLITS = 64
 # The smallest key tile of the configs below: a split shorter than one tile is pure overhead.
@@ -56,7 +56,8 @@ def _configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in shapes]
 
 
-@triton.autotune(configs=_configs(), key=["HEAD_DIM", "BLOCK_H", "SINGLE_SPLIT", "keys_bucket"])
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "BLOCK_H", "SINGLE_SPLIT", "keys_bucket"],
+                 prune_configs_by={"early_config_prune": prune_fp32})
 @triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel for every split count
 def _flash_decode_split(
     Q, K, V, Out, O_part, Lse_part,  # q, out [B, Hq, D]; caches; partials [B, Hq, S, D], [B, Hq, S]

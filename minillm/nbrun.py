@@ -20,7 +20,15 @@ def execute(path: str | Path, timeout: int = 1800, kernel_name: str = "python3")
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
     start = time.perf_counter()
-    client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name,
+    last = [start]
+
+    def on_cell_executed(cell, cell_index, **_):  # progress, and what ran so far kept on disk
+        now = time.perf_counter()
+        print(f"  {path.name} cell {cell_index}: {now - last[0]:.1f} s", flush=True)
+        last[0] = now
+        nbformat.write(nb, path)
+
+    client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name, on_cell_executed=on_cell_executed,
                             resources={"metadata": {"path": str(path.parent.resolve())}})
     try:
         client.execute()

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -272,12 +274,13 @@ reps = nb.pick(cpu=1, gpu=20)
 def random_paged(batch, ctx, block_size, seed=0):
     """K/V caches with each sequence's blocks scattered at random over the pool (block 0 left unused)."""
     g = torch.Generator().manual_seed(seed)
+    gd = torch.Generator(device=dev).manual_seed(seed)  # drawn where they live: gigabytes at the longest context
     per_seq = cdiv(ctx, block_size)
     num_blocks = 1 + batch * per_seq
-    k_cache = torch.randn(num_blocks, block_size, Hkv, D, generator=g).to(dev, dt)
-    v_cache = torch.randn(num_blocks, block_size, Hkv, D, generator=g).to(dev, dt)
+    k_cache = torch.randn(num_blocks, block_size, Hkv, D, generator=gd, device=dev, dtype=dt)
+    v_cache = torch.randn(num_blocks, block_size, Hkv, D, generator=gd, device=dev, dtype=dt)
     table = (1 + torch.randperm(batch * per_seq, generator=g)).view(batch, per_seq).to(dev, torch.int32)
-    q = torch.randn(batch, Hq, D, generator=g).to(dev, dt)
+    q = torch.randn(batch, Hq, D, generator=gd, device=dev, dtype=dt)
     seqused = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
     return q, k_cache, v_cache, seqused, table
 

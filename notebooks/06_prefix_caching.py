@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -152,6 +154,16 @@ def random_ids(n, gen, vocab=mcfg.vocab_size):
     return torch.randint(100, vocab, (n,), generator=gen).tolist()  # ids from 100 up: past the special tokens
 
 
+# Before anything is timed: Triton compiles (and, in bf16, autotunes) the prefill kernel per prompt-length
+# bucket on first use, which would land in the TTFT of whichever run meets a length first. One warm-up
+# per model covers every length up to the largest token budget used below (tuning is per process).
+for m in dict.fromkeys([model, tiny]):  # (one model on a CPU)
+    warm = LLMEngine(m, tok, eos, EngineConfig(block_size=BS, num_gpu_blocks=2 + cdiv(2048, BS), max_num_seqs=1,
+                                               cuda_graph_max_batch=1), progress=False)
+    print(f"warm-up of {m.config.name}: {warm.warm_up():.1f} s")
+    warm.shutdown()
+
+
 # %% [markdown]
 # ## 3. One system prompt, many questions
 #
@@ -170,7 +182,6 @@ greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 shared = [(f"q{i}", system + random_ids(Q, gen), greedy) for i in range(N)]
 pool = 1 + N * cdiv(SYS + Q + NEW, BS)  # room for every request at once: no eviction, no preemption
 engine_args = dict(num_blocks=pool, max_num_batched_tokens=budget, max_num_seqs=N, cuda_graph_max_batch=N)
-serve(model, None, shared, **engine_args)  # warm-up (kernel compilation and autotuning), not measured
 shared_runs = {s: serve(model, s, shared, **engine_args) for s in SETTINGS}
 for s in SETTINGS[1:]:
     assert shared_runs[s][0] == shared_runs[None][0], f"prefix caching {s!r} changed the tokens"
@@ -226,7 +237,6 @@ def chat_workload(C, T, U, seed=7, vocab=mcfg.vocab_size):
 first, follow = chat_workload(C, T, U)
 longest = U + (T - 1) * (ANS + U)
 chat_pool = 1 + C * cdiv(longest + ANS, BS) * 2  # the histories of every turn fit: no eviction
-serve(model, None, first, follow, num_blocks=chat_pool, max_num_seqs=C, cuda_graph_max_batch=C)  # warm-up
 chat_runs = {s: serve(model, s, first, follow, num_blocks=chat_pool, max_num_seqs=C, cuda_graph_max_batch=C)
              for s in SETTINGS}
 for s in SETTINGS[1:]:

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -85,6 +87,15 @@ smollm_fp32 = exact_model if nb.on_gpu() else load_model(None, dtype=torch.float
 V = fast_model.config.vocab_size
 print(f"exactness: {exact_model.config.name} ({next(exact_model.parameters()).dtype}); "
       f"speed: {fast_model.config.name} ({next(fast_model.parameters()).dtype}); on {dev}")
+# Before anything is timed: Triton compiles (and, in bf16, autotunes) the prefill kernel per prompt-length
+# bucket on first use. One warm-up per model (LLMEngine.warm_up) runs every bucket up to the largest token
+# budget used below (section 3's), so that cost lands here and not in a measured step.
+for m in dict.fromkeys([fast_model, exact_model]):  # (one model on a CPU)
+    largest = nb.pick(cpu=1024, gpu=8192)
+    warm = LLMEngine(m, tok, [], EngineConfig(max_num_batched_tokens=largest, num_gpu_blocks=2 + largest // 16,
+                                              max_num_seqs=1, cuda_graph_max_batch=1), progress=False)
+    print(f"warm-up of {m.config.name} ({next(m.parameters()).dtype}): {warm.warm_up():.1f} s")
+    warm.shutdown()
 
 
 def engine_for(model, **kw) -> LLMEngine:
@@ -148,7 +159,7 @@ def rand_ids(rng: random.Random, n: int) -> list[int]:
 rng = random.Random(7)
 texts = ["The capital of France is", "def fibonacci(n):", "A haiku about the sea:\n", "Once upon a time,",
          "The three laws of thermodynamics", "import numpy as np\n", "Q: What is 17 * 23?\nA:", "Dear Sir,"]
-n_req, max_new = nb.pick(cpu=(6, 10), gpu=(24, 64))
+n_req, max_new = nb.pick(cpu=(6, 10), gpu=(16, 48))
 requests = []
 for _ in range(n_req):
     ids = tok.encode(rng.choice(texts) * rng.choice([1, 1, 2, 6]))  # prompts of 4 to ~60 tokens
@@ -225,7 +236,6 @@ def run_continuous() -> Recorder:
     return rec
 
 
-run_continuous().engine.shutdown()  # warm-up: Triton compiles its kernels, CUDA graphs are captured
 runs = {"static": run_static(), "continuous": run_continuous()}
 out_tokens = sum(p.max_tokens for _, p in workload)
 rows = []
@@ -233,10 +243,14 @@ for name, r in runs.items():
     r.engine.shutdown()
     wall = r.steps[-1][1] - r.steps[0][0]
     busy = statistics.mean(len(ran) for *_, ran in r.steps)
+    mixed = [t1 - t0 for t0, t1, ran in r.steps if any(n > 1 for _, n in ran)]  # a prompt (chunk) rode along
+    pure = [t1 - t0 for t0, t1, ran in r.steps if all(n == 1 for _, n in ran)]  # decode only: graph replay
     rows.append({"batching": name, "steps": len(r.steps), "seconds": wall, "output_tok_per_s": out_tokens / wall,
-                 "mean_running": busy, "slot_use_pct": 100 * busy / B})
+                 "mean_running": busy, "slot_use_pct": 100 * busy / B,
+                 "prefill_steps": len(mixed), "prefill_step_ms": 1e3 * statistics.median(mixed),
+                 "decode_steps": len(pure), "decode_step_ms": 1e3 * statistics.median(pure) if pure else None})
 print_table(rows, title=f"{n_req} requests, outputs {out_lo}-{out_hi} tokens (log-uniform), B = {B}, "
-                        f"{fast_model.config.name} on {dev}")
+                        f"{fast_model.config.name} on {dev} (step times: medians)")
 print(f"continuous / static throughput: {rows[1]['output_tok_per_s'] / rows[0]['output_tok_per_s']:.2f}x")
 
 # %%
@@ -270,7 +284,17 @@ plt.show()
 # %% [markdown]
 # In the static run each group lasts as long as its longest request: the rows of the short ones
 # end early and the running count falls to the group's stragglers until the next group starts.
-# Continuous batching keeps the count at $B$ for as long as requests wait. Note what an idle slot
+# Continuous batching keeps the count at $B$ for as long as requests wait, and needs far fewer steps
+# for the same tokens. Whether that is also fewer *seconds* depends on what a step costs, and the
+# table's last columns show two kinds of step. A pure decode step replays a CUDA graph (section 5);
+# a step that carries a prompt (chunk) runs eagerly, one Python launch per kernel, because minillm
+# captures graphs for decode batches only. Static batching prefills a whole group in a few steps;
+# continuous batching runs a prefill step whenever it admits a request, which here is nearly every
+# time one finishes. On a GPU, with a model
+# this small, the eager step costs many graph steps (the launches are the cost, not the math), and
+# the extra prefill steps can eat the steps saved. vLLM removes that cost by capturing graphs for
+# mixed batches too (piecewise, around the attention call); minillm does not yet. On a CPU both
+# kinds of step run eagerly and only the step count matters. Note what an idle slot
 # costs here: minillm packs the batch without padding, so a finished request costs no compute, only
 # the opportunity — the step still takes the time of reading every weight, for fewer tokens. (Hugging
 # Face's static `generate` keeps computing the finished rows as padding; section 6 measures it.)
@@ -311,7 +335,6 @@ def chunk_run(budget: int) -> dict:
             "times": outs["d0"].metrics.token_times[0], "ttft_long": m.first_token_time - m.arrival_time}
 
 
-chunk_run(budgets["chunked"])  # warm-up
 res = {name: chunk_run(b) for name, b in budgets.items()}
 rows = []
 for name, r in res.items():
@@ -349,14 +372,14 @@ plt.show()
 # processed beyond the unpressured run (the recomputation), blocks moved by swapping, time.
 
 # %%
-n_req, lo, hi = nb.pick(cpu=(12, 8, 48), gpu=(64, 64, 384))
+n_req, lo, hi = nb.pick(cpu=(12, 8, 48), gpu=(24, 32, 160))
 rng = random.Random(4)
 pressure = [(rand_ids(rng, rng.randrange(lo, hi)),
              SamplingParams(max_tokens=rng.randrange(lo, hi), ignore_eos=True, temperature=rng.choice([0.0, 0.8]),
                             seed=rng.randrange(1 << 30)))
             for _ in range(n_req)]
 need = sum(-(-(len(ids) + p.max_tokens) // 16) for ids, p in pressure)
-small = nb.pick(cpu=12, gpu=160)
+small = nb.pick(cpu=12, gpu=64)
 configs = {"unpressured": dict(num_gpu_blocks=need + 1),
            "recompute": dict(num_gpu_blocks=small, preemption_mode="recompute"),
            "swap": dict(num_gpu_blocks=small, preemption_mode="swap", num_cpu_blocks=need)}
@@ -373,7 +396,6 @@ def pressure_run(**kw):
     return rec, seconds, {rid: [c.token_ids for c in o.outputs] for rid, o in done.items()}
 
 
-pressure_run(**configs["recompute"])  # warm-up
 results = {name: pressure_run(**kw) for name, kw in configs.items()}
 base_rec, base_s, base_tokens = results["unpressured"]
 rows = []

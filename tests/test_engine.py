@@ -116,6 +116,35 @@ def test_prefix_cache_hits_skip_work(seed, tok):
     assert LLMEngine(model, tok, [], bad).stats["prefix_hit_rate"] is None
 
 
+def test_warm_up_runs_every_bucket_and_leaves_the_engine_as_it_was(seed, tok):
+    rng = random.Random(seed)
+    model, config = random_model(rng)
+    kind = rng.choice([None, "hash", "radix"])
+    engine = LLMEngine(model, tok, [], EngineConfig(block_size=4, num_gpu_blocks=64, enable_prefix_caching=kind,
+                                                    max_num_batched_tokens=40))
+    with pytest.raises(ValueError, match="max_prompt_len"):
+        engine.warm_up("16")
+    seen, add = [], engine.add_request
+    engine.add_request = lambda rid, prompt, params: (seen.append(len(prompt["prompt_token_ids"])),
+                                                      add(rid, prompt, params))
+    before = engine.stats
+    assert engine.warm_up() >= 0
+    assert seen == [1, 15, 16, 31, 32, 39, 40]  # buckets 16, 32, 64 (capped at the budget), each k and k - 1
+    assert engine.stats == before and not engine.has_unfinished_requests()
+    bm = engine.block_manager
+    assert not bm.block_tables and bm.num_free_blocks == bm.num_blocks - 1
+    engine.add_request = add
+    requests = random_requests(rng, config.vocab_size, 5)
+    for i, (p, sp) in enumerate(requests):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+    with pytest.raises(ValueError, match="idle"):
+        engine.warm_up()
+    got = {}
+    while engine.has_unfinished_requests():
+        got |= {o.request_id: [c.token_ids for c in o.outputs] for o in engine.step() if o.finished}
+    assert [got[f"r{i}"] for i in range(5)] == [alone(model, tok, p, sp) for p, sp in requests]
+
+
 def test_bad_requests_are_refused_and_others_still_run(seed, tok):
     rng = random.Random(seed)
     model, config = random_model(rng)

@@ -344,3 +344,17 @@ def test_flash_decode_real_shapes_gpu(seed, Hq, Hkv, D, block_size, num_splits, 
     seq_lens = [1, 4096] + [rng.randint(1000, 4096) for _ in range(6)]
     check_decode(torch.Generator().manual_seed(seed), block_size, Hq, Hkv, D, seq_lens, window, num_splits,
                  dtype=torch.bfloat16)
+
+
+def test_fp32_autotuning_keeps_only_the_smallest_tile():
+    import triton
+
+    from minillm.kernels.flash_attn import prune_fp32
+
+    shapes = [(128, 64), (64, 128), (64, 32), (128, 128)]
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}) for m, n in shapes]
+    random.shuffle(configs)
+    kept = prune_fp32(configs, {"Q": torch.zeros(2, dtype=torch.float32)}, IEEE=True)
+    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in kept] == [(64, 32)]
+    for dtype in (torch.bfloat16, torch.float16):  # the fast dtypes keep every configuration
+        assert prune_fp32(configs, {"Q": torch.zeros(2, dtype=dtype)}) == configs

@@ -132,10 +132,7 @@ def throughput(model=None, *, num_requests: int | None = None, min_input_len: in
                   f"{models.label}, {models.dtype_name}")
 
     engine = _engine(models, engine_args, progress)
-    # Warm-up outside the clock: Triton autotunes the prefill kernel once per power-of-two bucket of a
-    # step's longest prompt chunk, so one prompt per bucket up to max_input_len runs alone first.
-    for n in sorted({min(s["max_input_len"], 2**k) for k in range(4, s["max_input_len"].bit_length() + 1)}):
-        _run_all(engine, random_requests(rng, 1, (n, n), (2, 2), models.config.vocab_size), f"warmup-{n}-", False)
+    engine.warm_up(s["max_input_len"])  # outside the clock: Triton tunes the prefill kernel per length bucket
     preempted_before = engine.stats["num_preemptions"]
     start = time.perf_counter()
     done = _run_all(engine, requests, "", progress, desc="minillm engine")

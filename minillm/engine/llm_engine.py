@@ -33,7 +33,7 @@ from ..outputs import RequestOutput
 from ..sampling import Sampler, SamplingMetadata, SamplingParams
 from ..sequence import Sequence
 from .block_manager import BlockManager
-from .config import EngineConfig
+from .config import EngineConfig, positive_int
 from .model_runner import ModelRunner
 from .prefix_cache import make_prefix_cache
 from .scheduler import Scheduler
@@ -213,6 +213,46 @@ class LLMEngine:
         meta = SamplingMetadata.build(params, [s.prompt_ids for s in seqs], [s.output_ids for s in seqs],
                                       [s.seed for s in seqs], banned, logits.shape[1], logits.device)
         append_tokens(seqs, self.sampler(logits, meta), self.tokenizer)
+
+    # ---- warm-up ---------------------------------------------------------------------------------
+
+    def warm_up(self, max_prompt_len: int | None = None) -> float:
+        """Run one tiny request per prompt-length bucket now, so that Triton's autotuning and compiling
+        of the prefill kernel happen here and not inside the first real requests' latency (vLLM, too,
+        runs dummy batches before it serves). Returns the seconds it took.
+
+        The attention kernel tunes once per power-of-two bucket of a step's longest prompt chunk, and
+        Triton compiles apart for token counts that are and are not multiples of 16; so each bucket
+        runs its longest prompt, one token less and the longest multiple of 16 in it, up to
+        max_prompt_len (default: the token budget; longer prompts are cut into chunks of it anyway). Tuning is kept per process, so one engine's
+        warm-up serves every later engine over the same model shape and dtype. Needs an idle engine;
+        leaves it idle with its statistics as they were (the prompts' blocks stay in a prefix cache,
+        unreferenced, the first to be evicted)."""
+        if max_prompt_len is not None:
+            positive_int("max_prompt_len", max_prompt_len)
+        if self.has_unfinished_requests():
+            raise ValueError("warm_up needs an idle engine (it has unfinished requests)")
+        budget = self.config.max_num_batched_tokens
+        limit = min(budget if max_prompt_len is None else max_prompt_len, budget, self.max_model_len - 1,
+                    (self.block_manager.num_blocks - 1) * self.block_manager.block_size - 1)
+        if limit < 1:  # a pool of one block of one token: nothing fits beside the generated token
+            return 0.0
+        lengths = {1}
+        for k in range(4, limit.bit_length() + 1):  # bucket 2^k holds the lengths in (2^(k-1), 2^k]
+            n = min(2**k, limit)
+            lengths |= {m for m in (n, n - 1, n - n % 16) if m > 2 ** (k - 1)}
+        bm, pc, vocab = self.block_manager, self.block_manager.prefix_cache, self.model.config.vocab_size
+        saved = (bm.peak_used, self.scheduler.num_preemptions, pc and (pc.queries, pc.query_tokens, pc.hit_tokens))
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        for n in sorted(lengths):  # one at a time: each step's longest chunk is the prompt itself
+            self.add_request(f"warm-up-{n}", {"prompt_token_ids": [(7 * i + n) % vocab for i in range(n)]}, params)
+            while self.has_unfinished_requests():
+                self.step(unfinished_outputs=False)
+        bm.peak_used, self.scheduler.num_preemptions = saved[0], saved[1]
+        if pc is not None:
+            pc.queries, pc.query_tokens, pc.hit_tokens = saved[2]
+        return time.perf_counter() - t0
 
     # ---- convenience -----------------------------------------------------------------------------
 
