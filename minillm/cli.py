@@ -50,7 +50,8 @@ def _stream(llm, prompt: str, params) -> str:
     seconds = time.perf_counter() - start
     n = len(llm.tokenizer.encode(text))
     print(flush=True)
-    print(f"[{n} tokens in {seconds:.1f} s: {n / seconds:.1f} tok/s, {llm.device}, no KV cache yet]", file=sys.stderr)
+    how = "no KV cache" if llm.engine is None else "paged KV cache"
+    print(f"[{n} tokens in {seconds:.1f} s: {n / seconds:.1f} tok/s, {llm.device}, {how}]", file=sys.stderr)
     return text
 
 

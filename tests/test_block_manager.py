@@ -110,3 +110,48 @@ def test_radix_cache_evicts_leaves_only():
     order = [c.evict(), c.evict(), c.evict()]
     assert order[-1] == 5 and set(order[:2]) == {6, 8}
     assert c.evict() is None and c.match([1, 2, 3, 4], 2) == []
+
+
+def test_radix_eviction_is_the_least_recently_used_leaf_over_long_runs(seed):
+    """The radix cache finds its victim through a heap with stale entries (and compacts it); a brute-force
+    scan of every evictable leaf must agree at every eviction, over thousands of operations."""
+    rng = random.Random(seed)
+    bs, num_blocks = 2, 40
+    cache = RadixPrefixCache(bs)
+    free, refs, owned = list(range(num_blocks)), [0] * num_blocks, []
+    prefixes = [[rng.randrange(3) for _ in range(8)] for _ in range(3)]
+    evictions = 0
+    for _ in range(3000):
+        r = rng.random()
+        if r < 0.45:  # a request: match, take the hits, fresh blocks for the rest, name them all
+            tokens = rng.choice(prefixes)[: rng.randrange(0, 9)] + [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
+            hits = cache.match(tokens, len(tokens) // bs)
+            need = len(tokens) // bs - len(hits)
+            if need > len(free) + cache.num_evictable - sum(refs[b] == 0 for b in hits):
+                continue
+            for b in hits:
+                if refs[b] == 0:
+                    cache.acquire(b)
+                refs[b] += 1
+            blocks = list(hits)
+            for _ in range(need):
+                b = free.pop() if free else cache.evict()
+                refs[b] = 1
+                blocks.append(b)
+            cache.insert(tokens, blocks)
+            owned.append(blocks)
+        elif r < 0.85 and owned:  # a request ends: tail first
+            for b in reversed(owned.pop(rng.randrange(len(owned)))):
+                refs[b] -= 1
+                if refs[b] == 0:
+                    cache.release(b) if b in cache else free.append(b)
+        else:  # pressure from elsewhere
+            leaves = [b for b in cache._evictable if not cache._node_of[b].children]
+            want = min(leaves, key=lambda b: cache._node_of[b].last_used) if leaves else None
+            got = cache.evict()
+            assert got == want
+            if got is not None:
+                free.append(got)
+                evictions += 1
+        assert len(cache._leaves) <= 2 * cache.num_evictable + 64 + 1  # compacted, not growing without bound
+    assert evictions > 50

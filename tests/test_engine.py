@@ -55,7 +55,7 @@ def test_engine_matches_one_request_at_a_time(seed, tok, case):
     ec = EngineConfig(block_size=block_size, num_gpu_blocks=blocks_for(requests, block_size) + 1 + rng.randrange(0, 8),
                       num_cpu_blocks=rng.choice([0, 64]), preemption_mode=["recompute", "swap"][case % 2],
                       enable_prefix_caching=[None, "hash", "radix"][case % 3],
-                      max_num_batched_tokens=rng.randrange(4, 40), max_num_seqs=rng.randrange(2, 9))
+                      max_num_batched_tokens=rng.randrange(4, 40), max_num_seqs=rng.randrange(3, 9))  # n <= 3
     engine = LLMEngine(model, tok, [], ec)
     aborted = {f"r{i}" for i in range(len(requests)) if rng.random() < 0.15}
     for i, (p, sp) in enumerate(requests):
@@ -97,6 +97,25 @@ def test_pressure_preempts_and_both_modes_finish(seed, tok):
             done |= {o.request_id: [c.token_ids for c in o.outputs] for o in engine.step() if o.finished}
         assert [done[str(i)] for i in range(4)] == want
         assert engine.stats["num_preemptions"] > 0, mode
+
+
+def test_a_swapped_sequence_that_needs_the_whole_pool_comes_back(seed, tok):
+    """B is swapped out holding 3 of the pool's 4 blocks, one token before its 4th: once A is done the
+    whole pool is free and B must come back (a spare-block margin in the swap-in check kept it out)."""
+    rng = random.Random(seed)
+    model, config = random_model(rng)
+    a = ([rng.randrange(config.vocab_size) for _ in range(4)], SamplingParams(max_tokens=12, temperature=0))
+    b = ([rng.randrange(config.vocab_size) for _ in range(12)], SamplingParams(max_tokens=4, temperature=0))
+    engine = LLMEngine(model, tok, [], EngineConfig(block_size=4, num_gpu_blocks=5, num_cpu_blocks=8,
+                                                    preemption_mode="swap", max_num_batched_tokens=32))
+    for rid, (p, sp) in (("a", a), ("b", b)):
+        engine.add_request(rid, {"prompt_token_ids": p}, sp)
+    done, steps = {}, 0
+    while engine.has_unfinished_requests() and steps < 100:
+        done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+        steps += 1
+    assert engine.stats["num_preemptions"] == 1 and not engine.has_unfinished_requests(), steps
+    assert [done["a"], done["b"]] == [alone(model, tok, *a)[0], alone(model, tok, *b)[0]]
 
 
 def test_prefix_cache_hits_skip_work(seed, tok):
@@ -143,6 +162,29 @@ def test_warm_up_runs_every_bucket_and_leaves_the_engine_as_it_was(seed, tok):
     while engine.has_unfinished_requests():
         got |= {o.request_id: [c.token_ids for c in o.outputs] for o in engine.step() if o.finished}
     assert [got[f"r{i}"] for i in range(5)] == [alone(model, tok, p, sp) for p, sp in requests]
+
+
+def test_forks_of_parallel_sampling_count_against_max_num_seqs(seed, tok):
+    """A request with n > 1 becomes n sequences once its prompt is computed: admission reserves them,
+    so the running set never exceeds max_num_seqs, and every completion is still its own."""
+    rng = random.Random(seed)
+    model, config = random_model(rng)
+    requests = [([rng.randrange(config.vocab_size) for _ in range(rng.randrange(1, 30))],
+                 SamplingParams(n=rng.choice([1, 2, 3]), max_tokens=rng.randrange(1, 12), temperature=0.8,
+                                seed=rng.randrange(1 << 30)))
+                for _ in range(8)]
+    engine = LLMEngine(model, tok, [], EngineConfig(block_size=4, num_gpu_blocks=200, max_num_seqs=3,
+                                                    max_num_batched_tokens=rng.randrange(4, 24)))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        engine.add_request("too-many", {"prompt_token_ids": [1, 2]}, SamplingParams(n=4))
+    for i, (p, sp) in enumerate(requests):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+    got, most = {}, 0
+    while engine.has_unfinished_requests():
+        got |= {o.request_id: [c.token_ids for c in o.outputs] for o in engine.step() if o.finished}
+        most = max(most, len(engine.scheduler.running))
+    assert most <= 3
+    assert [got[f"r{i}"] for i in range(8)] == [alone(model, tok, p, sp) for p, sp in requests]
 
 
 def test_bad_requests_are_refused_and_others_still_run(seed, tok):

@@ -115,6 +115,9 @@ class LLMEngine:
         text, ids = prompt_ids(self.tokenizer, self.model.config.vocab_size, prompt, f"request {request_id!r}")
         check_length(f"request {request_id!r}", len(ids), params, self.max_model_len)
         longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"request {request_id!r} asks for n={params.n} sequences, but the engine runs at most "
+                             f"max_num_seqs={self.config.max_num_seqs} at once; lower n or raise max_num_seqs")
         need, have = self.block_manager.blocks_needed(longest), self.block_manager.num_blocks - 1
         if need > have:
             raise ValueError(f"request {request_id!r} may grow to {longest} tokens = {need} KV blocks, but the pool "
@@ -126,7 +129,7 @@ class LLMEngine:
         for s in seqs:
             s.seq_id = next(self._seq_ids)
             self._group_of[s.seq_id] = group
-        self.scheduler.add(seqs[0], priority, next(self._arrivals))
+        self.scheduler.add(seqs[0], priority, next(self._arrivals), fanout=len(seqs))
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests and free their blocks; unknown or finished ids are ignored."""

@@ -18,7 +18,10 @@ Only full blocks are cached: a partly written block's name is not known yet.
 
 from __future__ import annotations
 
+import hashlib
+import heapq
 import itertools
+from array import array
 from collections import OrderedDict
 
 
@@ -76,14 +79,17 @@ class PrefixCache:
 class HashPrefixCache(PrefixCache):
     def __init__(self, block_size: int):
         super().__init__(block_size)
-        self._block_of: dict[int, int] = {}  # chain hash -> block
-        self._hash_of: dict[int, int] = {}  # block -> chain hash
+        self._block_of: dict[bytes, int] = {}  # chain hash -> block
+        self._hash_of: dict[int, bytes] = {}  # block -> chain hash
         self._lru: OrderedDict[int, None] = OrderedDict()  # evictable blocks, least recently used first
 
     def _keys(self, token_ids: list[int], num_blocks: int):
-        key = None  # Python's tuple hash: 64 bits; a collision would need ~2^32 distinct cached blocks
+        # A cryptographic hash, not Python's hash(): that one is fast but not collision-resistant, and
+        # one collision would hand a sequence another prompt's K/V (a wrong answer, or one user's text
+        # leaking into another's). vLLM moved to SHA-256 for the same reason; BLAKE2b-128 is enough here.
+        key = b""
         for tokens in block_tokens(token_ids, self.block_size, num_blocks):
-            key = hash((key, tokens))
+            key = hashlib.blake2b(key + array("q", tokens).tobytes(), digest_size=16).digest()
             yield key
 
     def match(self, token_ids, max_blocks):
@@ -137,6 +143,19 @@ class RadixPrefixCache(PrefixCache):
         self._node_of: dict[int, _Node] = {}  # block -> its node
         self._evictable: set[int] = set()  # cached blocks with no user
         self._clock = itertools.count(1)
+        # Candidates for eviction, (last_used, block), smallest first. An entry goes stale when its node
+        # is used again, gets a child or leaves; evict() skips stale entries instead of searching the
+        # whole tree, so an eviction costs O(log n) in a pool of a hundred thousand blocks, not O(n).
+        # (Two leaves never share a last_used: one clock tick touches one path, which has one leaf.)
+        self._leaves: list[tuple[int, int]] = []
+
+    def _candidate(self, node: _Node) -> None:
+        if node.block in self._evictable and not node.children:
+            heapq.heappush(self._leaves, (node.last_used, node.block))
+            if len(self._leaves) > 2 * len(self._evictable) + 64:  # mostly stale (a pool that never fills)
+                self._leaves = [(self._node_of[b].last_used, b) for b in self._evictable
+                                if not self._node_of[b].children]
+                heapq.heapify(self._leaves)
 
     def match(self, token_ids, max_blocks):
         node, found, now = self.root, [], next(self._clock)
@@ -145,6 +164,7 @@ class RadixPrefixCache(PrefixCache):
             if node is None:
                 break
             node.last_used = now
+            self._candidate(node)  # (found blocks are usually acquired next; if not, the new time counts)
             found.append(node.block)
         return found
 
@@ -163,6 +183,7 @@ class RadixPrefixCache(PrefixCache):
                 # and whenever anything is evictable, some leaf is.
                 return
             child.last_used = max(child.last_used, now)
+            self._candidate(child)
             node = child
 
     def __contains__(self, block):
@@ -170,21 +191,27 @@ class RadixPrefixCache(PrefixCache):
 
     def release(self, block):
         self._evictable.add(block)
-        self._node_of[block].last_used = next(self._clock)
+        node = self._node_of[block]
+        node.last_used = next(self._clock)
+        self._candidate(node)
 
     def acquire(self, block):
         self._evictable.discard(block)
 
     def evict(self):
         # Only leaves: an inner node's children are named through it. The least recently used leaf goes.
-        leaves = [b for b in self._evictable if not self._node_of[b].children]
-        if not leaves:
-            return None
-        block = min(leaves, key=lambda b: self._node_of[b].last_used)
-        node = self._node_of.pop(block)
-        del node.parent.children[node.tokens]
-        self._evictable.discard(block)
-        return block
+        while self._leaves:
+            last_used, block = heapq.heappop(self._leaves)
+            node = self._node_of.get(block)
+            if node is None or block not in self._evictable or node.children or node.last_used != last_used:
+                continue  # stale: evicted already, in use, no longer a leaf, or used since
+            del self._node_of[block]
+            del node.parent.children[node.tokens]
+            self._evictable.discard(block)
+            if node.parent is not self.root:
+                self._candidate(node.parent)  # it may have just become a leaf
+            return block
+        return None
 
     @property
     def num_evictable(self):

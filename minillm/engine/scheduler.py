@@ -52,15 +52,21 @@ class Scheduler:
         self.swapped: list[Sequence] = []
         self.num_preemptions = 0
         self._order: dict[int, tuple] = {}  # seq_id -> (priority, arrival, seq_id)
+        # seq_id -> how many sequences it becomes when its prompt is done (n > 1: the forks of parallel
+        # sampling). Admission counts them against max_num_seqs up front, so the forks always fit.
+        self._fanout: dict[int, int] = {}
 
-    def add(self, seq: Sequence, priority: int, arrival: int) -> None:
+    def add(self, seq: Sequence, priority: int, arrival: int, fanout: int = 1) -> None:
         self._order[seq.seq_id] = (priority, arrival, seq.seq_id)
+        if fanout > 1:
+            self._fanout[seq.seq_id] = fanout
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence, like: Sequence) -> None:
         """A forked sequence joins the running queue in its parent's place in the order."""
         self._order[seq.seq_id] = self._order[like.seq_id][:2] + (seq.seq_id,)
+        self._fanout.pop(like.seq_id, None)  # the parent has forked: from now on it is one sequence
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
@@ -69,6 +75,13 @@ class Scheduler:
 
     def _key(self, seq: Sequence) -> tuple:
         return self._order[seq.seq_id]
+
+    def _has_room(self, seq: Sequence) -> bool:
+        """max_num_seqs holds seq and the forks it will make, beside everyone running and their forks."""
+        used = len(self.running)
+        if self._fanout:  # parents still prefilling: their forks are on the way
+            used += sum(self._fanout.get(s.seq_id, 1) - 1 for s in self.running)
+        return used + self._fanout.get(seq.seq_id, 1) <= self.config.max_num_seqs
 
     # ---- one step --------------------------------------------------------------------------------
 
@@ -103,10 +116,13 @@ class Scheduler:
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         self.swapped.sort(key=self._key)
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and budget > 0 and self._has_room(self.swapped[0]):
             seq = self.swapped[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if len(self.bm.cpu_tables[seq.seq_id]) + self.bm.blocks_needed(n) + 1 > self.bm.num_free_blocks:
+            # its blocks come back, plus any the next n tokens start (exactly: a spare block would make a
+            # sequence that needs the whole pool wait forever once everyone else is swapped out too)
+            need = max(len(self.bm.cpu_tables[seq.seq_id]), self.bm.blocks_needed(seq.num_computed_tokens + n))
+            if need > self.bm.num_free_blocks:
                 break
             self.swapped.pop(0)
             out.blocks_to_swap_in += self.bm.swap_in(seq.seq_id)
@@ -120,7 +136,7 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         self.waiting.sort(key=self._key)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._has_room(self.waiting[0]):
             seq = self.waiting[0]
             hits = self.bm.match_prefix(seq.token_ids)
             computed = len(hits) * self.bm.block_size
@@ -166,3 +182,4 @@ class Scheduler:
                 queue.remove(seq)
         self.bm.free(seq.seq_id)
         self._order.pop(seq.seq_id, None)
+        self._fanout.pop(seq.seq_id, None)
