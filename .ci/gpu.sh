@@ -15,8 +15,6 @@ set -euo pipefail
 SITE=/tmp/minillm-site
 MODEL=/root/minillm-model/SmolLM2-135M-Instruct.Q4_1.gguf
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} PATH=$SITE/bin:$PATH MINILLM_MODEL=$MODEL PYTHONUNBUFFERED=1
-# Autotuning results on disk: the second notebook of a session does not benchmark the tiles again.
-export TRITON_CACHE_AUTOTUNING=1
 case "$1" in
   setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE "$2"/wheels/*.whl

@@ -1,4 +1,5 @@
-"""Argument checks shared by the attention kernels and their references (flash_attn, flash_decode).
+"""Argument checks shared by the attention kernels and their references (flash_attn, flash_decode,
+attention_ref).
 
 `strict` is the kernels' side: int32 indices, fp16/bf16/fp32, a contiguous last dim, a tile-sized
 head_dim, a CUDA tensor or Triton's interpreter. The references take anything PyTorch can compute
@@ -72,3 +73,32 @@ def check_qkv(q, k, v, k_dims: int, strict: bool) -> None:
 def check_window(sliding_window) -> None:
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+
+
+def check_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, block_table,
+                 sliding_window, strict: bool) -> bool:
+    """Validate flash_attn_varlen's arguments; True when K/V come from a cache through a block table."""
+    paged = block_table is not None or seqused_k is not None
+    if paged and cu_seqlens_k is not None:
+        raise ValueError("give either cu_seqlens_k (packed K/V) or block_table and seqused_k (a KV cache), "
+                         "not both")
+    if not paged and cu_seqlens_k is None:
+        raise ValueError("give cu_seqlens_k (packed K/V) or block_table and seqused_k (a KV cache)")
+    if paged and (block_table is None or seqused_k is None):
+        raise ValueError("a KV cache needs both block_table and seqused_k")
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got {getattr(q, 'shape', q)!r}")
+    check_qkv(q, k, v, 4 if paged else 3, strict)
+    check_index("cu_seqlens_q", cu_seqlens_q, (None,), strict)
+    B = cu_seqlens_q.numel() - 1
+    if B < 1:
+        raise ValueError("cu_seqlens_q must hold at least two offsets (one sequence)")
+    if paged:
+        check_index("seqused_k", seqused_k, (B,), strict)
+        check_index("block_table", block_table, (B, None), strict)
+    else:
+        check_index("cu_seqlens_k", cu_seqlens_k, (B + 1,), strict)
+    if not isinstance(max_seqlen_q, int) or max_seqlen_q < 1:
+        raise ValueError(f"max_seqlen_q must be a positive int, got {max_seqlen_q!r}")
+    check_window(sliding_window)
+    return paged

@@ -53,7 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import INTERPRET, check_index, check_qkv, check_window
+from .attention_ref import attention_ref, flash_attn_varlen_ref, gather_kv  # noqa: F401  (the reference, beside)
+from .checks import INTERPRET, check_varlen
 
 LOG2E = math.log2(math.e)
 
@@ -231,35 +232,6 @@ def _flash_attn_fwd(
         tl.store(Lse + h * stride_lse_head + q_start + offs_m, lse, mask=row_ok)
 
 
-def _check_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, block_table,
-                  sliding_window, strict: bool) -> bool:
-    """Validate flash_attn_varlen's arguments; True when K/V come from a cache through a block table."""
-    paged = block_table is not None or seqused_k is not None
-    if paged and cu_seqlens_k is not None:
-        raise ValueError("give either cu_seqlens_k (packed K/V) or block_table and seqused_k (a KV cache), "
-                         "not both")
-    if not paged and cu_seqlens_k is None:
-        raise ValueError("give cu_seqlens_k (packed K/V) or block_table and seqused_k (a KV cache)")
-    if paged and (block_table is None or seqused_k is None):
-        raise ValueError("a KV cache needs both block_table and seqused_k")
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got {getattr(q, 'shape', q)!r}")
-    check_qkv(q, k, v, 4 if paged else 3, strict)
-    check_index("cu_seqlens_q", cu_seqlens_q, (None,), strict)
-    B = cu_seqlens_q.numel() - 1
-    if B < 1:
-        raise ValueError("cu_seqlens_q must hold at least two offsets (one sequence)")
-    if paged:
-        check_index("seqused_k", seqused_k, (B,), strict)
-        check_index("block_table", block_table, (B, None), strict)
-    else:
-        check_index("cu_seqlens_k", cu_seqlens_k, (B + 1,), strict)
-    if not isinstance(max_seqlen_q, int) or max_seqlen_q < 1:
-        raise ValueError(f"max_seqlen_q must be a positive int, got {max_seqlen_q!r}")
-    check_window(sliding_window)
-    return paged
-
-
 # ---- the kernel's entry point ------------------------------------------------------------------
 
 
@@ -274,7 +246,7 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, *, cu_seqlens_k=None,
     Query i of Lq sits at position Lk - Lq + i (Lk >= Lq). Returns out [Tq, Hq, D] in q's dtype, and
     with return_lse also lse [Hq, Tq] fp32 (natural log of each row's softmax denominator).
     """
-    paged = _check_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, block_table,
+    paged = check_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, block_table,
                           sliding_window, strict=True)
     Tq, Hq, D = q.shape
     Hkv, B = k.shape[-2], cu_seqlens_q.numel() - 1
@@ -297,62 +269,4 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, *, cu_seqlens_k=None,
         HEAD_DIM=D, PAGED=paged, CAUSAL=bool(causal), HAS_WINDOW=sliding_window is not None,
         RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32,
     )
-    return (out, lse) if return_lse else out
-
-
-# ---- the reference -------------------------------------------------------------------------------
-
-
-def gather_kv(k, v, b: int, seqlen_k: int, *, cu_seqlens_k=None, block_table=None):
-    """Sequence b's first seqlen_k keys and values as [seqlen_k, Hkv, D] copies (reference only)."""
-    if block_table is None:
-        start = int(cu_seqlens_k[b])
-        return k[start:start + seqlen_k], v[start:start + seqlen_k]
-    j = torch.arange(seqlen_k, device=k.device)  # key positions
-    block_size = k.shape[1]
-    blocks = block_table[b].long()[j // block_size]  # [seqlen_k] the block each key lives in
-    return k[blocks, j % block_size], v[blocks, j % block_size]
-
-
-def attention_ref(q, k, v, scale: float, causal: bool, sliding_window):
-    """One sequence: q [Lq, Hq, D], k, v [Lk, Hkv, D] -> (out [Lq, Hq, D] fp32, lse [Hq, Lq] fp32)."""
-    Lq, Hq, _ = q.shape
-    Lk, Hkv, _ = k.shape
-    k = k.float().repeat_interleave(Hq // Hkv, dim=1)  # [Lk, Hq, D]: query head h uses KV head h // group
-    v = v.float().repeat_interleave(Hq // Hkv, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [Hq, Lq, Lk]
-    q_pos = torch.arange(Lk - Lq, Lk, device=q.device)[:, None]  # [Lq, 1] bottom-right aligned
-    k_pos = torch.arange(Lk, device=q.device)[None, :]  # [1, Lk]
-    visible = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device)
-    if causal:
-        visible &= k_pos <= q_pos
-    if sliding_window is not None:
-        visible &= q_pos - k_pos < sliding_window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [Hq, Lq]
-    out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)  # [Lq, Hq, D]
-    return out, lse
-
-
-def flash_attn_varlen_ref(q, k, v, cu_seqlens_q, max_seqlen_q, *, cu_seqlens_k=None, seqused_k=None,
-                          block_table=None, softmax_scale=None, causal=True, sliding_window=None,
-                          return_lse=False):
-    """flash_attn_varlen in plain PyTorch: one sequence at a time, the whole score matrix in fp32."""
-    paged = _check_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, block_table,
-                          sliding_window, strict=False)
-    Tq, Hq, D = q.shape
-    scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
-    out = torch.empty((Tq, Hq, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((Hq, Tq), dtype=torch.float32, device=q.device)
-    cu_q = cu_seqlens_q.tolist()
-    for b in range(len(cu_q) - 1):
-        q_b = q[cu_q[b]:cu_q[b + 1]]  # [Lq, Hq, D]
-        Lk = int(seqused_k[b]) if paged else int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
-        if Lk < q_b.shape[0]:
-            raise ValueError(f"sequence {b} has {q_b.shape[0]} queries but only {Lk} keys (need Lk >= Lq)")
-        k_b, v_b = gather_kv(k, v, b, Lk, cu_seqlens_k=cu_seqlens_k,
-                             block_table=block_table if paged else None)  # [Lk, Hkv, D]
-        o_b, lse_b = attention_ref(q_b, k_b, v_b, scale, causal, sliding_window)
-        out[cu_q[b]:cu_q[b + 1]] = o_b.to(q.dtype)
-        lse[:, cu_q[b]:cu_q[b + 1]] = lse_b
     return (out, lse) if return_lse else out

@@ -40,8 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_ref import attention_ref, gather_kv
 from .checks import INTERPRET, check_index, check_qkv, check_window
-from .flash_attn import LOG2E, _dot, attention_ref, gather_kv, prune_fp32
+from .flash_attn import LOG2E, _dot, prune_fp32
 
 MAX_SPLITS = 64
 # The smallest key tile of the configs below: a split shorter than one tile is pure overhead.
