@@ -165,3 +165,17 @@ def tiny_random_model(seed: int = 0, max_len: int = 4096, dev: torch.device | No
             norm = "norm" in name
             p.copy_(torch.randn(p.shape, generator=g) * (0.1 if norm else 0.3) + (1.0 if norm else 0.0))
     return m, cfg
+
+
+def warm_up(models, tokenizer, max_prompt_len: int) -> None:
+    """Tune and compile each model's prefill kernel for every prompt-length bucket up to max_prompt_len
+    (LLMEngine.warm_up) on a throwaway one-sequence engine, before a notebook times anything. Tuning is
+    kept per process, so the notebook's later engines over the same models find it done."""
+    from .engine import EngineConfig, LLMEngine
+
+    for m in dict.fromkeys(models):  # (a CPU notebook may pass the same stand-in twice)
+        config = EngineConfig(max_num_batched_tokens=max_prompt_len, num_gpu_blocks=2 + -(-max_prompt_len // 16),
+                              max_num_seqs=1, cuda_graph_max_batch=1)
+        engine = LLMEngine(m, tokenizer, [], config, progress=False)
+        print(f"warm-up of {m.config.name} ({next(m.parameters()).dtype}): {engine.warm_up():.1f} s")
+        engine.shutdown()

@@ -157,11 +157,7 @@ def random_ids(n, gen, vocab=mcfg.vocab_size):
 # Before anything is timed: Triton compiles (and, in bf16, autotunes) the prefill kernel per prompt-length
 # bucket on first use, which would land in the TTFT of whichever run meets a length first. One warm-up
 # per model covers every length up to the largest token budget used below (tuning is per process).
-for m in dict.fromkeys([model, tiny]):  # (one model on a CPU)
-    warm = LLMEngine(m, tok, eos, EngineConfig(block_size=BS, num_gpu_blocks=2 + cdiv(2048, BS), max_num_seqs=1,
-                                               cuda_graph_max_batch=1), progress=False)
-    print(f"warm-up of {m.config.name}: {warm.warm_up():.1f} s")
-    warm.shutdown()
+nb.warm_up([model, tiny], tok, 2048)
 
 
 # %% [markdown]

@@ -90,12 +90,7 @@ print(f"exactness: {exact_model.config.name} ({next(exact_model.parameters()).dt
 # Before anything is timed: Triton compiles (and, in bf16, autotunes) the prefill kernel per prompt-length
 # bucket on first use. One warm-up per model (LLMEngine.warm_up) runs every bucket up to the largest token
 # budget used below (section 3's), so that cost lands here and not in a measured step.
-for m in dict.fromkeys([fast_model, exact_model]):  # (one model on a CPU)
-    largest = nb.pick(cpu=1024, gpu=8192)
-    warm = LLMEngine(m, tok, [], EngineConfig(max_num_batched_tokens=largest, num_gpu_blocks=2 + largest // 16,
-                                              max_num_seqs=1, cuda_graph_max_batch=1), progress=False)
-    print(f"warm-up of {m.config.name} ({next(m.parameters()).dtype}): {warm.warm_up():.1f} s")
-    warm.shutdown()
+nb.warm_up([fast_model, exact_model], tok, nb.pick(cpu=1024, gpu=8192))
 
 
 def engine_for(model, **kw) -> LLMEngine:

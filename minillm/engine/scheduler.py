@@ -76,12 +76,16 @@ class Scheduler:
     def _key(self, seq: Sequence) -> tuple:
         return self._order[seq.seq_id]
 
-    def _has_room(self, seq: Sequence) -> bool:
-        """max_num_seqs holds seq and the forks it will make, beside everyone running and their forks."""
+    def _seats(self, seq: Sequence) -> int:
+        """Sequences seq will be once its prompt is done: itself and its forks."""
+        return self._fanout.get(seq.seq_id, 1)
+
+    def _free_seats(self) -> int:
+        """What max_num_seqs leaves beside everyone running, counting the forks still to come."""
         used = len(self.running)
         if self._fanout:  # parents still prefilling: their forks are on the way
-            used += sum(self._fanout.get(s.seq_id, 1) - 1 for s in self.running)
-        return used + self._fanout.get(seq.seq_id, 1) <= self.config.max_num_seqs
+            used += sum(self._seats(s) - 1 for s in self.running)
+        return self.config.max_num_seqs - used
 
     # ---- one step --------------------------------------------------------------------------------
 
@@ -116,7 +120,8 @@ class Scheduler:
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         self.swapped.sort(key=self._key)
-        while self.swapped and budget > 0 and self._has_room(self.swapped[0]):
+        seats = self._free_seats()  # once per pass, then kept up to date (not a scan per candidate)
+        while self.swapped and budget > 0 and self._seats(self.swapped[0]) <= seats:
             seq = self.swapped[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # its blocks come back, plus any the next n tokens start (exactly: a spare block would make a
@@ -130,13 +135,15 @@ class Scheduler:
                 raise RuntimeError("swap-in: blocks counted free were not")  # cannot happen: checked above
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            seats -= self._seats(seq)
             out.scheduled.append((seq, n))
             budget -= n
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         self.waiting.sort(key=self._key)
-        while self.waiting and budget > 0 and self._has_room(self.waiting[0]):
+        seats = self._free_seats()
+        while self.waiting and budget > 0 and self._seats(self.waiting[0]) <= seats:
             seq = self.waiting[0]
             hits = self.bm.match_prefix(seq.token_ids)
             computed = len(hits) * self.bm.block_size
@@ -148,6 +155,7 @@ class Scheduler:
             seq.num_computed_tokens = computed
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            seats -= self._seats(seq)
             out.scheduled.append((seq, n))
             budget -= n
 
