@@ -36,8 +36,9 @@ def _load(args):
     from .llm import LLM
 
     # generate and chat stream one request at a time: a decode graph for batch 1 is all they replay,
-    # and capturing one graph instead of twenty keeps start-up short on a GPU
-    return LLM(args.model, dtype=args.dtype, device=args.device, cuda_graph_max_batch=1)
+    # and capturing one graph instead of twenty keeps start-up short on a GPU; each prompt is one
+    # prefill step, cheaper run eagerly than captured for a single use
+    return LLM(args.model, dtype=args.dtype, device=args.device, cuda_graph_max_batch=1, cuda_graph_max_tokens=0)
 
 
 def _stream(llm, prompt: str, params) -> str:

@@ -93,9 +93,14 @@ print(f"exactness: {exact_model.config.name} ({next(exact_model.parameters()).dt
 nb.warm_up([fast_model, exact_model], tok, nb.pick(cpu=1024, gpu=8192))
 
 
-def engine_for(model, **kw) -> LLMEngine:
-    """An engine over `model` (no EOS: every request here runs to its max_tokens or its stop rule)."""
-    return LLMEngine(model, tok, [], EngineConfig(**kw), progress=False)
+def engine_for(model, warm: bool = False, **kw) -> LLMEngine:
+    """An engine over `model` (no EOS: every request here runs to its max_tokens or its stop rule).
+    warm: on a GPU, capture the CUDA graphs of its steps with prompt tokens now (LLMEngine.warm_up,
+    one per token bucket), so that no capture lands inside a timed run."""
+    engine = LLMEngine(model, tok, [], EngineConfig(**kw), progress=False)
+    if warm and engine.runner.graphs is not None:
+        engine.warm_up()
+    return engine
 
 
 class Recorder:
@@ -215,7 +220,7 @@ pool = nb.pick(cpu=256, gpu=4096)
 
 
 def run_static() -> Recorder:
-    rec = Recorder(engine_for(fast_model, num_gpu_blocks=pool, max_num_seqs=B))
+    rec = Recorder(engine_for(fast_model, warm=True, num_gpu_blocks=pool, max_num_seqs=B))
     for g in range(0, n_req, B):
         for i in range(g, min(g + B, n_req)):
             rec.add(f"r{i}", *workload[i])
@@ -224,7 +229,7 @@ def run_static() -> Recorder:
 
 
 def run_continuous() -> Recorder:
-    rec = Recorder(engine_for(fast_model, num_gpu_blocks=pool, max_num_seqs=B))
+    rec = Recorder(engine_for(fast_model, warm=True, num_gpu_blocks=pool, max_num_seqs=B))
     for i, (ids, params) in enumerate(workload):
         rec.add(f"r{i}", ids, params)
     rec.run()
@@ -281,17 +286,18 @@ plt.show()
 # end early and the running count falls to the group's stragglers until the next group starts.
 # Continuous batching keeps the count at $B$ for as long as requests wait, and needs far fewer steps
 # for the same tokens. Whether that is also fewer *seconds* depends on what a step costs, and the
-# table's last columns show two kinds of step. A pure decode step replays a CUDA graph (section 5);
-# a step that carries a prompt (chunk) runs eagerly, one Python launch per kernel, because minillm
-# captures graphs for decode batches only. Static batching prefills a whole group in a few steps;
-# continuous batching runs a prefill step whenever it admits a request, which here is nearly every
-# time one finishes. On a GPU, with a model
-# this small, the eager step costs many graph steps (the launches are the cost, not the math), and
-# the extra prefill steps can eat the steps saved. vLLM removes that cost by capturing graphs for
-# mixed batches too (piecewise, around the attention call); minillm does not yet. On a CPU both
+# table's last columns show two kinds of step. A pure decode step replays a CUDA graph captured for
+# its batch size; a step that carries a prompt (chunk) replays one captured for its token count,
+# padded up to the next token bucket (section 5). Static batching prefills a whole group in a few
+# steps; continuous batching runs a prefill step whenever it admits a request, which here is nearly
+# every time one finishes, so it wins only if a step with a prompt chunk costs little more than a
+# decode step. Run eagerly — one Python launch per kernel — such a step costs as much as a dozen
+# graph replays on a GPU with a model this small (the launches are the cost, not the math), and the
+# extra prefill steps can eat the steps saved; that is why the engine graphs them too (vLLM
+# captures mixed batches as well, piecewise around the attention call). On a CPU both
 # kinds of step run eagerly and only the step count matters. Note what an idle slot
-# costs here: minillm packs the batch without padding, so a finished request costs no compute, only
-# the opportunity — the step still takes the time of reading every weight, for fewer tokens. (Hugging
+# costs here: minillm packs the batch (padded at most to the next captured size), so a finished
+# request costs no compute, only the opportunity — the step still takes the time of reading every weight, for fewer tokens. (Hugging
 # Face's static `generate` keeps computing the finished rows as padding; section 6 measures it.)
 #
 # ## 3. Chunked prefill: a long prompt arriving while others decode
@@ -312,7 +318,7 @@ long_prompt = rand_ids(rng, long_len)
 
 
 def chunk_run(budget: int) -> dict:
-    eng = engine_for(fast_model, num_gpu_blocks=nb.pick(cpu=160, gpu=1024), max_num_batched_tokens=budget,
+    eng = engine_for(fast_model, warm=True, num_gpu_blocks=nb.pick(cpu=160, gpu=1024), max_num_batched_tokens=budget,
                      max_num_seqs=n_dec + 1)
     for i, ids in enumerate(decoders):
         eng.add_request(f"d{i}", {"prompt_token_ids": ids}, SamplingParams(max_tokens=dec_new, ignore_eos=True))
@@ -381,7 +387,7 @@ configs = {"unpressured": dict(num_gpu_blocks=need + 1),
 
 
 def pressure_run(**kw):
-    rec = Recorder(engine_for(exact_model, max_num_seqs=n_req, **kw))
+    rec = Recorder(engine_for(exact_model, warm=True, max_num_seqs=n_req, **kw))
     for i, (ids, params) in enumerate(pressure):
         rec.add(f"r{i}", ids, params)
     t0 = time.perf_counter()
@@ -415,8 +421,11 @@ print("outputs of both preemption modes are identical to the unpressured run")
 # H100 — far above the microseconds of GPU work — because each kernel is launched from Python.
 # The `ModelRunner` records one decode step per batch size into a CUDA graph once
 # (`capture_cuda_graphs`) and afterwards only copies the step's inputs into fixed buffers and
-# replays it. Timed here: one engine step (scheduling, inputs, forward pass, sampling) of a pure
-# decode batch of $b$ sequences, eager (`enforce_eager=True`) and with graphs, in the same run.
+# replays it; a batch of $b$ is padded to the smallest captured size $\ge b$. Steps that carry prompt
+# tokens are graphed the same way per *token* bucket (16, 32, … 512, then every 512), captured the
+# first time a step needs one (`minillm/engine/cuda_graphs.py`). Timed here: one engine step
+# (scheduling, inputs, forward pass, sampling) of a pure decode batch of $b$ sequences, eager
+# (`enforce_eager=True`) and with graphs, in the same run.
 
 # %%
 batches = nb.pick(cpu=[1, 2, 4, 8], gpu=[1, 2, 4, 8, 16, 32, 64, 128, 256])

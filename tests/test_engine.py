@@ -17,6 +17,7 @@ from tiny_models import random_model
 
 from minillm import SamplingParams
 from minillm.engine import EngineConfig, LLMEngine
+from minillm.engine.cuda_graphs import cuda_graph_sizes, token_buckets
 from minillm.generation import generate_sequences
 
 
@@ -57,6 +58,9 @@ def test_engine_matches_one_request_at_a_time(seed, tok, case):
                       enable_prefix_caching=[None, "hash", "radix"][case % 3],
                       max_num_batched_tokens=rng.randrange(4, 40), max_num_seqs=rng.randrange(3, 9))  # n <= 3
     engine = LLMEngine(model, tok, [], ec)
+    padded = case >= 3 and engine.runner.graphs is None
+    if padded:  # a CPU: run the CUDA-graph path's padded static buffers eagerly, checked the same way
+        engine.runner.graphs = engine.runner.make_graphs(capture=False)
     aborted = {f"r{i}" for i in range(len(requests)) if rng.random() < 0.15}
     for i, (p, sp) in enumerate(requests):
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp, priority=rng.choice([0, 0, 1]))
@@ -78,6 +82,8 @@ def test_engine_matches_one_request_at_a_time(seed, tok, case):
     assert not bm.block_tables and not bm.cpu_tables  # everything given back
     assert bm.num_free_blocks == bm.num_blocks - 1
     assert sum(bm.ref_counts) == 0
+    if padded:  # both kinds of padded step ran: decode batches and steps with prompt tokens
+        assert {shape.max_seqlen == 1 for shape in engine.runner.graphs.steps} == {True, False}
 
 
 def test_pressure_preempts_and_both_modes_finish(seed, tok):
@@ -219,6 +225,30 @@ def test_engine_config_names_the_bad_field(field, value, match):
         EngineConfig(**{field: value})
 
 
+@pytest.mark.parametrize("max_num_seqs,cap", [(24, 256), (256, 256), (5, 256), (1, 256), (300, 40), (16, 16)])
+def test_cuda_graphs_cover_every_batch_the_scheduler_can_form(max_num_seqs, cap):
+    """Every decode batch b <= min(max_num_seqs, cap) has a captured size >= b that is no bigger than
+    needed: with max_num_seqs = 24 a batch of 17-24 used to run eagerly (sizes stopped at 16)."""
+    sizes = cuda_graph_sizes(max_num_seqs, cap)
+    top = min(max_num_seqs, cap)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == top and sizes[0] == 1
+    for b in range(1, top + 1):
+        pad = next(s for s in sizes if s >= b)
+        assert pad - b < max(b, 16), (b, pad)  # padding never doubles a batch beyond 16 rows
+
+
+@pytest.mark.parametrize("max_tokens", [1, 4, 20, 40, 512, 600, 2048, 8192])
+def test_token_buckets_cover_every_step_size(max_tokens):
+    """Every step of 1..max_tokens tokens has a bucket: at most 16 tokens or twice the step, and never
+    512 tokens of padding."""
+    buckets = token_buckets(max_tokens)
+    assert buckets == sorted(set(buckets)) and buckets[-1] == max_tokens
+    for t in range(1, max_tokens + 1):
+        pad = next(b for b in buckets if b >= t)
+        assert pad <= max(16, 2 * t - 1) and pad - t < 512, (t, pad)
+    assert token_buckets(0) == []
+
+
 def test_llm_generate_runs_through_the_engine(tok):
     """The embedded model, batched through the engine, gives each request its one-at-a-time tokens."""
     from minillm import LLM
@@ -255,4 +285,4 @@ def test_embedded_model_on_gpu_with_and_without_cuda_graphs(seed, enforce_eager)
     for prompt, sp, out in zip(prompts, params, outs):
         want = alone(llm.model, llm.tokenizer, prompt["prompt_token_ids"], sp, llm.eos_token_ids)
         assert [c.token_ids for c in out.outputs] == want
-    assert enforce_eager or llm.engine.runner.graphs
+    assert enforce_eager or {shape.max_seqlen == 1 for shape in llm.engine.runner.graphs.steps} == {True, False}

@@ -15,7 +15,7 @@ LABS = sorted((ROOT / "notebooks" / "labs").glob("[0-9][0-9]_*.ipynb"))
 # Walkthroughs whose stored outputs are still a CPU run's: the session that built chapters 05-07 spent
 # its GPU time on the engine's tests and benchmarks (issue 5 stays open for the H100 run). Strict
 # xfail: once a GPU run is stored, the test fails until the name is taken off this list.
-GPU_RUN_PENDING = {"05_paged_kv", "06_prefix_caching", "07_continuous_batching"}
+GPU_RUN_PENDING = {"07_continuous_batching"}
 
 
 def _cells(nb):

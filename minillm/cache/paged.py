@@ -71,6 +71,7 @@ class PagedKVCache(CacheSizes):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {gpu_memory_utilization!r}")
         if device.type != "cuda":
             raise ValueError("sizing the KV cache from free memory needs a GPU; pass num_gpu_blocks on a CPU")
+        torch.cuda.empty_cache()  # blocks cached by the allocator but unused are free for the pool
         free, total = torch.cuda.mem_get_info(device)
         mine = torch.cuda.memory_reserved(device)  # this process: weights, warm-up activations
         # Our share of the whole GPU, less what we already hold; never more than is actually free

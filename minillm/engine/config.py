@@ -23,6 +23,9 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap"
     enforce_eager: bool = False  # True: no CUDA graphs
     cuda_graph_max_batch: int = 256  # decode batches up to this size replay a captured graph
+    # steps with prompt tokens (prefill chunks, mixed with decodes) of up to this many tokens replay a
+    # graph too, captured per token bucket on first use; None: max_num_batched_tokens; 0: run them eagerly
+    cuda_graph_max_tokens: int | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_batch"):
@@ -30,6 +33,9 @@ class EngineConfig:
         for name in ("num_gpu_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
+        if self.cuda_graph_max_tokens is not None and (not isinstance(self.cuda_graph_max_tokens, int) or isinstance(
+                self.cuda_graph_max_tokens, bool) or self.cuda_graph_max_tokens < 0):
+            raise ValueError(f"cuda_graph_max_tokens must be None or an int >= 0, not {self.cuda_graph_max_tokens!r}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2 (block 0 is reserved), not {self.num_gpu_blocks}")
         if self.num_cpu_blocks is not None and (not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0):

@@ -221,16 +221,18 @@ class LLMEngine:
 
     def warm_up(self, max_prompt_len: int | None = None) -> float:
         """Run one tiny request per prompt-length bucket now, so that Triton's autotuning and compiling
-        of the prefill kernel happen here and not inside the first real requests' latency (vLLM, too,
-        runs dummy batches before it serves). Returns the seconds it took.
+        of the prefill kernel, and the capture of the CUDA graph of each token bucket, happen here and
+        not inside the first real requests' latency (vLLM, too, runs dummy batches before it serves).
+        Returns the seconds it took.
 
         The attention kernel tunes once per power-of-two bucket of a step's longest prompt chunk, and
         Triton compiles apart for token counts that are and are not multiples of 16; so each bucket
-        runs its longest prompt, one token less and the longest multiple of 16 in it, up to
-        max_prompt_len (default: the token budget; longer prompts are cut into chunks of it anyway). Tuning is kept per process, so one engine's
-        warm-up serves every later engine over the same model shape and dtype. Needs an idle engine;
-        leaves it idle with its statistics as they were (the prompts' blocks stay in a prefix cache,
-        unreferenced, the first to be evicted)."""
+        runs its longest prompt, one token less and the longest multiple of 16 in it, and each CUDA
+        graph token bucket its own length, up to max_prompt_len (default: the token budget; longer
+        prompts are cut into chunks of it anyway). Tuning is kept per process, so one engine's warm-up
+        tunes every later engine over the same model shape and dtype; graphs belong to one engine.
+        Needs an idle engine; leaves it idle with its statistics as they were (the prompts' blocks
+        stay in a prefix cache, unreferenced, the first to be evicted)."""
         if max_prompt_len is not None:
             positive_int("max_prompt_len", max_prompt_len)
         if self.has_unfinished_requests():
@@ -244,6 +246,8 @@ class LLMEngine:
         for k in range(4, limit.bit_length() + 1):  # bucket 2^k holds the lengths in (2^(k-1), 2^k]
             n = min(2**k, limit)
             lengths |= {m for m in (n, n - 1, n - n % 16) if m > 2 ** (k - 1)}
+        if self.runner.graphs is not None:
+            lengths |= {t for t in self.runner.token_buckets if t <= limit}
         bm, pc, vocab = self.block_manager, self.block_manager.prefix_cache, self.model.config.vocab_size
         saved = (bm.peak_used, self.scheduler.num_preemptions, pc and (pc.queries, pc.query_tokens, pc.hit_tokens))
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -283,7 +287,9 @@ class LLMEngine:
         """Detach the cache from the model and let its memory go (the pool, the CUDA graphs and their
         buffers), so another engine, or a peer in the same process, gets the GPU's memory back."""
         self.cache.unbind(self.model)
-        self.runner.graphs.clear()
+        if self.runner.graphs is not None:
+            self.runner.graphs.clear()
+            self.runner.graphs = None  # the static buffers too; what is left runs eagerly
         self.cache.k_caches.clear()
         self.cache.v_caches.clear()
 

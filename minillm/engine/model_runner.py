@@ -9,26 +9,23 @@ Inputs of a step, packed with no padding (chapter 02's layout), plus the paged-c
     block_table           [B, W]     each sequence's blocks, padded with 0 to the widest
     slot_mapping          [T]        cache row of each new token: table[p // bs] * bs + p % bs
 
-A decode step of a small model is a few hundred short kernels, and on a fast GPU launching them
-from Python costs more than running them. So pure decode batches (every sequence brings one
-token) replay a CUDA graph captured once per batch size: the launches are recorded with fixed
-input buffers, and a step only copies its inputs in and replays. A batch of b replays the
-smallest captured size >= b; the padding rows write nowhere (slot -1) and read block 0.
+A step of a small model is a few hundred short kernels, and launching them from Python costs more
+than running them; so a step whose shape fits replays a CUDA graph instead (`cuda_graphs.py`: pure
+decode batches padded to a captured batch size, steps with prompt tokens padded to a token bucket).
 """
 
 from __future__ import annotations
 
-import bisect
-
 import torch
-from tqdm.auto import tqdm
 
 from ..cache.kv_cache import attention_layers
 from ..cache.paged import PagedKVCache
 from ..layers import AttentionMetadata
+from ..layers.backend import get_kernel_mode
 from ..sequence import Sequence
 from .block_manager import cdiv
 from .config import EngineConfig
+from .cuda_graphs import StepGraphs, cuda_graph_sizes, token_buckets
 
 
 def new_tokens(seq: Sequence, start: int, n: int) -> list[int]:
@@ -46,11 +43,18 @@ class ModelRunner:
         self.device = cache.device
         self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
         self.use_cuda_graphs = self.device.type == "cuda" and not config.enforce_eager
-        self.graph_sizes = [b for b in (1, 2, 4, 8, *range(16, config.cuda_graph_max_batch + 1, 16))
-                            if b <= min(config.cuda_graph_max_batch, config.max_num_seqs)]
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_sizes = cuda_graph_sizes(config.max_num_seqs, config.cuda_graph_max_batch)
+        max_tokens = config.cuda_graph_max_tokens
+        self.token_buckets = token_buckets(config.max_num_batched_tokens if max_tokens is None else max_tokens)
+        self.max_num_seqs = config.max_num_seqs
         self._first_layer = attention_layers(model)[0]
         cache.bind(model)
+        self.graphs = self.make_graphs() if self.use_cuda_graphs else None
+
+    def make_graphs(self, capture: bool = True) -> StepGraphs:
+        """The static buffers and graphs; capture=False runs the same padded steps eagerly (tests)."""
+        return StepGraphs(self.model, self.device, self.graph_sizes, self.token_buckets, self.max_num_seqs,
+                          self.max_blocks_per_seq, capture)
 
     # ---- inputs ----------------------------------------------------------------------------------
 
@@ -76,9 +80,12 @@ class ModelRunner:
         if self._first_layer.kv_cache is None or self._first_layer.kv_cache[0] is not self.cache.k_caches[0]:
             self.cache.bind(self.model)  # someone else (chapter 03's one-request path) used the model meanwhile
         ids, pos, slots, seq_lens, table = self.prepare(scheduled, block_tables)
-        B = len(scheduled)
-        if self.use_cuda_graphs and len(ids) == B and B <= self.graph_sizes[-1]:
-            return self._replay(ids, pos, slots, seq_lens, table)[sample_rows]
+        # the graphs hold minillm's Triton kernels: kernel_mode("torch") asks for the references, eagerly
+        graphs = self.graphs if get_kernel_mode() != "torch" else None
+        shape = graphs.shape_for(len(ids), len(scheduled)) if graphs is not None else None
+        if shape is not None:
+            query_lens = [n for _, n in scheduled]
+            return self.graphs.run(shape, ids, pos, slots, seq_lens, table, query_lens)[sample_rows]
         dev = self.device
         meta = AttentionMetadata.from_seq_lens([n for _, n in scheduled], dev)
         meta.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)  # [B]
@@ -98,45 +105,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_cuda_graphs(self, progress: bool = True) -> None:
-        """Record one decode step per batch size in graph_sizes (largest first, sharing one memory pool)."""
-        if not self.use_cuda_graphs:
-            return
-        B, dev = self.graph_sizes[-1], self.device
-        self._ids = torch.zeros(B, dtype=torch.int64, device=dev)
-        self._pos = torch.zeros(B, dtype=torch.int64, device=dev)
-        self._slots = torch.full((B,), -1, dtype=torch.int64, device=dev)
-        self._seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
-        self._table = torch.zeros(B, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self._cu = torch.arange(B + 1, dtype=torch.int32, device=dev)
-        pool = torch.cuda.graph_pool_handle()
-        for b in tqdm(sorted(self.graph_sizes, reverse=True), desc="capturing CUDA graphs", disable=not progress):
-            meta = AttentionMetadata(cu_seqlens=self._cu[: b + 1], max_seqlen=1, seq_lens=self._seq_lens[:b],
-                                     block_table=self._table[:b], slot_mapping=self._slots[:b])
-
-            def step(b=b, meta=meta):
-                return self.model.compute_logits(self.model(self._ids[:b], self._pos[:b], meta))  # [b, vocab]
-
-            step()  # warm-up: Triton autotunes and compiles here, outside the capture
-            torch.cuda.synchronize(dev)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = step()
-            self.graphs[b] = (graph, logits)
-        torch.cuda.synchronize(dev)
-
-    def _replay(self, ids, pos, slots, seq_lens, table) -> torch.Tensor:
-        b = len(ids)
-        size = self.graph_sizes[bisect.bisect_left(self.graph_sizes, b)]
-        graph, logits = self.graphs[size]
-        # One host->device copy per input; padding rows: slot -1 (write nothing), one key in block 0.
-        self._ids[:b].copy_(torch.tensor(ids), non_blocking=True)
-        self._pos[:b].copy_(torch.tensor(pos), non_blocking=True)
-        self._slots[:size].fill_(-1)
-        self._slots[:b].copy_(torch.tensor(slots), non_blocking=True)
-        self._seq_lens[:size].fill_(1)
-        self._seq_lens[:b].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
-        width = len(table[0])
-        self._table[:b, :width].copy_(torch.tensor(table, dtype=torch.int32), non_blocking=True)
-        self._table[b:size].zero_()
-        graph.replay()
-        return logits[:b]
+        """Record one decode step per batch size in graph_sizes now; steps with prompt tokens are
+        captured per token bucket when first needed."""
+        if self.graphs is not None:
+            self.graphs.capture_decode(progress)

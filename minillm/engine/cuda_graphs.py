@@ -1,0 +1,150 @@
+"""CUDA graphs of engine steps (chapter 07).
+
+A step of a small model is a few hundred short kernels, and on a fast GPU launching them from
+Python costs far more than running them. A CUDA graph records the launches once; a replay runs them
+all from one call. Every step whose shape fits a captured one replays a graph:
+
+* a pure decode step (every sequence brings one token) of b sequences replays the graph of the
+  smallest captured batch size >= b (`cuda_graph_sizes`); these are captured when the engine starts;
+* a step that carries prompt tokens (a prefill chunk, alone or beside decodes) of T tokens replays the
+  graph of the smallest token bucket >= T (`token_buckets`), captured the first time a step needs it
+  (`LLMEngine.warm_up` reaches every bucket, so a warmed-up engine never captures while it serves).
+
+A graph replays fixed kernels on fixed addresses with fixed launch grids, so its inputs live in
+static buffers sized for the largest shape, and a smaller step is padded to its graph's shape:
+
+* padding tokens write nowhere (slot -1) and their rows are never read;
+* a decode graph's padding sequences have one query token and one key in block 0, which no sequence
+  owns (chapter 05); a mixed graph's padding sequences have no tokens at all (cu_seqlens repeats T);
+* the attention kernel of a mixed graph is launched as if a sequence could hold all T_pad tokens
+  (max_seqlen = T_pad): its programs for tiles past a sequence's end return at once.
+
+The step's logits are copied into one static [max sequences, vocab] buffer inside every graph, so
+the graphs' intermediate tensors can all share one memory pool.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from ..layers import AttentionMetadata
+
+
+def cuda_graph_sizes(max_num_seqs: int, cuda_graph_max_batch: int) -> list[int]:
+    """The decode batch sizes to capture: 1, 2, 4, 8, then every multiple of 16 (a batch of b replays
+    the smallest size >= b, padded), and the largest batch the scheduler can form itself, so that a
+    max_num_seqs (or cap) between two steps, e.g. 24, does not leave its biggest batches eager."""
+    top = min(max_num_seqs, cuda_graph_max_batch)
+    return sorted({b for b in (1, 2, 4, 8, *range(16, top, 16)) if b < top} | {top})
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Token counts to capture steps with prompt tokens at: powers of two from 16 to 512 (padding a
+    small step costs little), then every multiple of 512 (fewer than 512 padding tokens on a big one),
+    and max_tokens itself. [] for max_tokens 0 (such steps run eagerly)."""
+    if max_tokens < 1:
+        return []
+    small = [t for t in (16, 32, 64, 128, 256, 512) if t < max_tokens]
+    return sorted({*small, *range(1024, max_tokens, 512), max_tokens})
+
+
+class Shape(NamedTuple):
+    tokens: int  # T_pad: rows of the packed token stream
+    seqs: int  # S_pad: sequences (cu_seqlens has seqs + 1 entries)
+    max_seqlen: int  # 1 for a decode graph (flash_decode), T_pad for a mixed one (flash_attn)
+
+
+class StepGraphs:
+    """Static input buffers and one replayable step per captured Shape.
+
+    With capture=False (a CPU, or a test) the "graphs" are the same forward passes over the same padded
+    buffers, run eagerly: the padding is then checked on any device against the unpadded path."""
+
+    def __init__(self, model, device: torch.device, decode_sizes: list[int], buckets: list[int],
+                 max_num_seqs: int, max_blocks_per_seq: int, capture: bool = True):
+        self.model, self.device, self.capture = model, device, capture
+        self.decode_sizes, self.buckets, self.max_num_seqs = decode_sizes, buckets, max_num_seqs
+        T = max([*decode_sizes, *buckets])
+        S = max([*decode_sizes, *(min(max_num_seqs, t) for t in buckets)])
+        self.tokens = torch.zeros(3, T, dtype=torch.int64, device=device)  # rows: ids, positions, slots
+        self.seqs = torch.ones(2, S + 1, dtype=torch.int32, device=device)  # rows: seq_lens, cu_seqlens
+        self.table = torch.zeros(S, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.logits: torch.Tensor | None = None  # [S, vocab] fp32, made by the first capture
+        self.steps: dict[Shape, Callable[[], None]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def shape_for(self, num_tokens: int, num_seqs: int) -> Shape | None:
+        """The captured (or capturable) shape this step pads to; None: too big, run it eagerly."""
+        if num_tokens == num_seqs:  # pure decode
+            i = bisect.bisect_left(self.decode_sizes, num_seqs)
+            return Shape(self.decode_sizes[i], self.decode_sizes[i], 1) if i < len(self.decode_sizes) else None
+        i = bisect.bisect_left(self.buckets, num_tokens)
+        if i == len(self.buckets):
+            return None
+        t = self.buckets[i]
+        return Shape(t, min(self.max_num_seqs, t), t)  # num_seqs <= max_num_seqs and <= T <= t
+
+    def run(self, shape: Shape, ids, pos, slots, seq_lens, table, query_lens) -> torch.Tensor:
+        """Copy one step's inputs (ModelRunner.prepare's lists; query_lens: new tokens per sequence) into
+        the buffers, padded to shape, and replay; -> logits [num_seqs, vocab] at each sequence's last
+        token, valid until the next run."""
+        T, S = len(ids), len(seq_lens)
+        tp, sp = shape.tokens, shape.seqs
+        cu = [0]
+        for n in query_lens:
+            cu.append(cu[-1] + n)
+        # padding: decode rows have one token each (cu keeps counting); mixed ones have none (cu stays T)
+        cu += range(T + 1, T + 1 + sp - S) if shape.max_seqlen == 1 else [T] * (sp - S)
+        pad_t = tp - T
+        host_tokens = torch.tensor([ids + [0] * pad_t, pos + [0] * pad_t, slots + [-1] * pad_t])  # [3, tp]
+        host_seqs = torch.tensor([seq_lens + [1] * (sp - S + 1), cu], dtype=torch.int32)  # [2, sp + 1]
+        width = len(table[0])
+        host_table = torch.tensor(table + [[0] * width] * (sp - S), dtype=torch.int32)  # [sp, width]
+        self.tokens[:, :tp].copy_(host_tokens, non_blocking=True)
+        self.seqs[:, : sp + 1].copy_(host_seqs, non_blocking=True)
+        self.table[:sp, :width].copy_(host_table, non_blocking=True)
+        step = self.steps.get(shape) or self._capture(shape)
+        step()
+        return self.logits[:S]
+
+    def _capture(self, shape: Shape) -> Callable[[], None]:
+        T, S = shape.tokens, shape.seqs
+        ids, pos, slots = self.tokens[0, :T], self.tokens[1, :T], self.tokens[2, :T]
+        seq_lens, cu = self.seqs[0, :S], self.seqs[1, : S + 1]
+        meta = AttentionMetadata(cu_seqlens=cu, max_seqlen=shape.max_seqlen, seq_lens=seq_lens,
+                                 block_table=self.table[:S], slot_mapping=slots)
+
+        def forward() -> torch.Tensor:
+            hidden = self.model(ids, pos, meta)  # [T, hidden]
+            return self.model.compute_logits(hidden[(cu[1:] - 1).long()])  # [S, vocab] at each last token
+
+        # Warm-up, outside the capture: Triton compiles and autotunes here. It runs on the inputs in the
+        # buffers: dummies at start-up, or the step being served (writing its K/V twice is harmless).
+        logits = forward()
+        if self.logits is None:
+            self.logits = torch.empty(self.seqs.shape[1] - 1, logits.shape[-1], dtype=logits.dtype, device=self.device)
+        out = self.logits[:S]
+        if not self.capture:
+            self.steps[shape] = lambda: out.copy_(forward())
+            return self.steps[shape]
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out.copy_(forward())
+        self.steps[shape] = graph.replay
+        return graph.replay
+
+    def capture_decode(self, progress: bool = True) -> None:
+        """Capture every decode size now (largest first: the pool grows once), on dummy inputs."""
+        from tqdm.auto import tqdm
+
+        for b in tqdm(sorted(self.decode_sizes, reverse=True), desc="capturing CUDA graphs", disable=not progress):
+            self.run(Shape(b, b, 1), [0] * b, [0] * b, [-1] * b, [1] * b, [[0]] * b, [1] * b)
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.logits = None
