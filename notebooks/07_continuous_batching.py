@@ -45,7 +45,6 @@ from minillm import notebook as nb
 from minillm.bench import serving
 from minillm.bench.serving import profile_decode_step
 from minillm.bench.table import print_table
-from minillm.config import ModelConfig
 from minillm.engine import EngineConfig, LLMEngine
 from minillm.generation import generate_sequences
 from minillm.loader import load_model
@@ -63,26 +62,11 @@ T0 = time.perf_counter()
 
 # %%
 tok = load_tokenizer()
-
-
-def tiny_model(seed: int = 0):
-    """A 2-layer llama-shaped model with random weights: the CPU's stand-in."""
-    config = ModelConfig(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
-                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=2048,
-                         name="tiny-llama")
-    model, _, _ = load_model(config, load_format="dummy")
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.3, generator=gen)
-    return model
-
-
 if nb.on_gpu():
     exact_model, _, _ = load_model(None, dtype=torch.float32, device=dev)  # SmolLM2-135M, fp32
     fast_model, _, _ = load_model(None, dtype=torch.bfloat16, device=dev)  # SmolLM2-135M, bf16
 else:
-    exact_model = fast_model = tiny_model()
+    exact_model = fast_model = nb.tiny_random_model()[0]  # 2 layers, random weights: the CPU stand-in
 smollm_fp32 = exact_model if nb.on_gpu() else load_model(None, dtype=torch.float32, device=dev)[0]
 V = fast_model.config.vocab_size
 print(f"exactness: {exact_model.config.name} ({next(exact_model.parameters()).dtype}); "

@@ -83,7 +83,7 @@ def test_engine_matches_one_request_at_a_time(seed, tok, case):
     assert bm.num_free_blocks == bm.num_blocks - 1
     assert sum(bm.ref_counts) == 0
     if padded:  # both kinds of padded step ran: decode batches and steps with prompt tokens
-        assert {shape.max_seqlen == 1 for shape in engine.runner.graphs.steps} == {True, False}
+        assert {shape.max_seqlen == 1 for shape in engine.runner.graphs.replays} == {True, False}
 
 
 def test_pressure_preempts_and_both_modes_finish(seed, tok):
@@ -237,6 +237,42 @@ def test_cuda_graphs_cover_every_batch_the_scheduler_can_form(max_num_seqs, cap)
         assert pad - b < max(b, 16), (b, pad)  # padding never doubles a batch beyond 16 rows
 
 
+def test_padded_steps_through_the_triton_kernels(seed, tok):
+    """The CUDA-graph path's padding through minillm's Triton kernels (the interpreter, on a CPU):
+    padding sequences with no tokens, an attention grid sized for the whole bucket, padding decode
+    rows reading block 0. Every request still gets its one-request tokens."""
+    from minillm.layers.backend import kernel_mode
+
+    rng = random.Random(seed)
+    model, config = random_model(rng)
+    requests = [([rng.randrange(config.vocab_size) for _ in range(rng.randrange(3, 30))],
+                 SamplingParams(max_tokens=rng.randrange(2, 8), temperature=0.0)) for _ in range(4)]
+    expected = [alone(model, tok, p, sp) for p, sp in requests]
+    engine = LLMEngine(model, tok, [], EngineConfig(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=24,
+                                                    max_num_seqs=3))
+    engine.runner.graphs = engine.runner.make_graphs(capture=False)
+    with kernel_mode("triton"):
+        for i, (p, sp) in enumerate(requests):
+            engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+        got = {}
+        while engine.has_unfinished_requests():
+            got |= {o.request_id: [c.token_ids for c in o.outputs] for o in engine.step() if o.finished}
+    assert [got[f"r{i}"] for i in range(len(requests))] == expected
+    assert {shape.max_seqlen == 1 for shape in engine.runner.graphs.replays} == {True, False}
+
+
+def test_warm_up_captures_every_token_bucket(seed, tok):
+    """Steps mixing several prompts can fill the whole budget: warm_up captures every bucket up to it,
+    even with short warm-up prompts, so nothing is captured while serving."""
+    model, _ = random_model(random.Random(seed))
+    engine = LLMEngine(model, tok, [], EngineConfig(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=80,
+                                                    max_num_seqs=4))
+    engine.runner.graphs = engine.runner.make_graphs(capture=False)
+    engine.warm_up(max_prompt_len=8)
+    captured = {shape.tokens for shape in engine.runner.graphs.steps if shape.max_seqlen > 1}
+    assert captured == set(token_buckets(80)) == {16, 32, 64, 80}
+
+
 @pytest.mark.parametrize("max_tokens", [1, 4, 20, 40, 512, 600, 2048, 8192])
 def test_token_buckets_cover_every_step_size(max_tokens):
     """Every step of 1..max_tokens tokens has a bucket: at most 16 tokens or twice the step, and never
@@ -285,4 +321,4 @@ def test_embedded_model_on_gpu_with_and_without_cuda_graphs(seed, enforce_eager)
     for prompt, sp, out in zip(prompts, params, outs):
         want = alone(llm.model, llm.tokenizer, prompt["prompt_token_ids"], sp, llm.eos_token_ids)
         assert [c.token_ids for c in out.outputs] == want
-    assert enforce_eager or {shape.max_seqlen == 1 for shape in llm.engine.runner.graphs.steps} == {True, False}
+    assert enforce_eager or {shape.max_seqlen == 1 for shape in llm.engine.runner.graphs.replays} == {True, False}

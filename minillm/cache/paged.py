@@ -73,7 +73,9 @@ class PagedKVCache(CacheSizes):
             raise ValueError("sizing the KV cache from free memory needs a GPU; pass num_gpu_blocks on a CPU")
         torch.cuda.empty_cache()  # blocks cached by the allocator but unused are free for the pool
         free, total = torch.cuda.mem_get_info(device)
-        mine = torch.cuda.memory_reserved(device)  # this process: weights, warm-up activations
+        # this process: weights and whatever else it holds. Activations and CUDA graphs come later, out
+        # of the (1 - gpu_memory_utilization) share left over (no profiling pass yet, unlike vLLM)
+        mine = torch.cuda.memory_reserved(device)
         # Our share of the whole GPU, less what we already hold; never more than is actually free
         # (other processes may share the GPU: parallel test workers, a notebook).
         budget = min(int(total * gpu_memory_utilization) - mine, int(free * 0.95))

@@ -7,8 +7,9 @@ all from one call. Every step whose shape fits a captured one replays a graph:
 * a pure decode step (every sequence brings one token) of b sequences replays the graph of the
   smallest captured batch size >= b (`cuda_graph_sizes`); these are captured when the engine starts;
 * a step that carries prompt tokens (a prefill chunk, alone or beside decodes) of T tokens replays the
-  graph of the smallest token bucket >= T (`token_buckets`), captured the first time a step needs it
-  (`LLMEngine.warm_up` reaches every bucket, so a warmed-up engine never captures while it serves).
+  graph of the smallest token bucket >= T (`token_buckets`), captured the first time a step needs it,
+  or all at once by `LLMEngine.warm_up` (a warmed-up engine never captures while it serves: a
+  capture synchronises, and its activations come out of the memory the KV pool left free).
 
 A graph replays fixed kernels on fixed addresses with fixed launch grids, so its inputs live in
 static buffers sized for the largest shape, and a smaller step is padded to its graph's shape:
@@ -20,12 +21,15 @@ static buffers sized for the largest shape, and a smaller step is padded to its 
   (max_seqlen = T_pad): its programs for tiles past a sequence's end return at once.
 
 The step's logits are copied into one static [max sequences, vocab] buffer inside every graph, so
-the graphs' intermediate tensors can all share one memory pool.
+the graphs' intermediate tensors can all share one memory pool. Padding rows hold garbage (attention
+never writes them), which is harmless only because every other layer treats token rows
+independently; a layer that mixes tokens (a capacity-limited MoE router, say) would have to mask them.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -75,6 +79,7 @@ class StepGraphs:
         self.table = torch.zeros(S, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.logits: torch.Tensor | None = None  # [S, vocab] fp32, made by the first capture
         self.steps: dict[Shape, Callable[[], None]] = {}
+        self.replays: Counter[Shape] = Counter()  # steps served per shape (captures not counted)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     def shape_for(self, num_tokens: int, num_seqs: int) -> Shape | None:
@@ -90,8 +95,15 @@ class StepGraphs:
 
     def run(self, shape: Shape, ids, pos, slots, seq_lens, table, query_lens) -> torch.Tensor:
         """Copy one step's inputs (ModelRunner.prepare's lists; query_lens: new tokens per sequence) into
-        the buffers, padded to shape, and replay; -> logits [num_seqs, vocab] at each sequence's last
-        token, valid until the next run."""
+        the buffers, padded to shape, and replay (capturing first if this shape is new); -> logits
+        [num_seqs, vocab] at each sequence's last token, valid until the next run."""
+        self._fill(shape, ids, pos, slots, seq_lens, table, query_lens)
+        step = self.steps.get(shape) or self._capture(shape)
+        step()
+        self.replays[shape] += 1
+        return self.logits[: len(seq_lens)]
+
+    def _fill(self, shape: Shape, ids, pos, slots, seq_lens, table, query_lens) -> None:
         T, S = len(ids), len(seq_lens)
         tp, sp = shape.tokens, shape.seqs
         cu = [0]
@@ -107,9 +119,6 @@ class StepGraphs:
         self.tokens[:, :tp].copy_(host_tokens, non_blocking=True)
         self.seqs[:, : sp + 1].copy_(host_seqs, non_blocking=True)
         self.table[:sp, :width].copy_(host_table, non_blocking=True)
-        step = self.steps.get(shape) or self._capture(shape)
-        step()
-        return self.logits[:S]
 
     def _capture(self, shape: Shape) -> Callable[[], None]:
         T, S = shape.tokens, shape.seqs
@@ -139,12 +148,31 @@ class StepGraphs:
         return graph.replay
 
     def capture_decode(self, progress: bool = True) -> None:
-        """Capture every decode size now (largest first: the pool grows once), on dummy inputs."""
+        """Capture every decode size now (largest first: the pool grows once), on dummy inputs: slot -1
+        (nothing written), one key in block 0."""
         from tqdm.auto import tqdm
 
         for b in tqdm(sorted(self.decode_sizes, reverse=True), desc="capturing CUDA graphs", disable=not progress):
-            self.run(Shape(b, b, 1), [0] * b, [0] * b, [-1] * b, [1] * b, [[0]] * b, [1] * b)
+            self._dummy(Shape(b, b, 1), [1] * b)
+
+    def capture_buckets(self, max_model_len: int) -> None:
+        """Capture every token bucket not captured yet (largest first), on dummy prompts that fill the
+        bucket: sequences of up to max_model_len tokens (their keys must fit a block table), all at
+        position 0, writing nothing and reading block 0. The attention kernel autotunes on them as on
+        a long prompt. A bucket that would need more sequences than max_num_seqs cannot occur."""
+        for t in sorted(self.buckets, reverse=True):
+            shape = Shape(t, min(self.max_num_seqs, t), t)
+            lens = [min(max_model_len, t - i) for i in range(0, t, max_model_len)]
+            if shape not in self.steps and len(lens) <= shape.seqs:
+                self._dummy(shape, lens)
+
+    def _dummy(self, shape: Shape, lens: list[int]) -> None:
+        t, width = sum(lens), self.table.shape[1]
+        self._fill(shape, [0] * t, [0] * t, [-1] * t, lens, [[0] * width] * len(lens), lens)
+        if shape not in self.steps:
+            self._capture(shape)
 
     def clear(self) -> None:
         self.steps.clear()
+        self.replays.clear()
         self.logits = None

@@ -227,10 +227,12 @@ class LLMEngine:
 
         The attention kernel tunes once per power-of-two bucket of a step's longest prompt chunk, and
         Triton compiles apart for token counts that are and are not multiples of 16; so each bucket
-        runs its longest prompt, one token less and the longest multiple of 16 in it, and each CUDA
-        graph token bucket its own length, up to max_prompt_len (default: the token budget; longer
-        prompts are cut into chunks of it anyway). Tuning is kept per process, so one engine's warm-up
-        tunes every later engine over the same model shape and dtype; graphs belong to one engine.
+        runs its longest prompt, one token less and the longest multiple of 16 in it, up to
+        max_prompt_len (default: the token budget; longer prompts are cut into chunks of it anyway).
+        The CUDA graphs of steps with prompt tokens are captured for every token bucket up to the
+        budget, on dummy inputs (a step mixing several prompts can fill the budget whatever
+        max_prompt_len says). Tuning is kept per process, so one engine's warm-up tunes every later
+        engine over the same model shape and dtype; graphs belong to one engine.
         Needs an idle engine; leaves it idle with its statistics as they were (the prompts' blocks
         stay in a prefix cache, unreferenced, the first to be evicted)."""
         if max_prompt_len is not None:
@@ -246,12 +248,11 @@ class LLMEngine:
         for k in range(4, limit.bit_length() + 1):  # bucket 2^k holds the lengths in (2^(k-1), 2^k]
             n = min(2**k, limit)
             lengths |= {m for m in (n, n - 1, n - n % 16) if m > 2 ** (k - 1)}
-        if self.runner.graphs is not None:
-            lengths |= {t for t in self.runner.token_buckets if t <= limit}
         bm, pc, vocab = self.block_manager, self.block_manager.prefix_cache, self.model.config.vocab_size
         saved = (bm.peak_used, self.scheduler.num_preemptions, pc and (pc.queries, pc.query_tokens, pc.hit_tokens))
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter()
+        self.runner.capture_token_buckets()  # every bucket up to the budget, whatever the prompt limit
         for n in sorted(lengths):  # one at a time: each step's longest chunk is the prompt itself
             self.add_request(f"warm-up-{n}", {"prompt_token_ids": [(7 * i + n) % vocab for i in range(n)]}, params)
             while self.has_unfinished_requests():

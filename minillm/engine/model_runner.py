@@ -41,8 +41,10 @@ class ModelRunner:
         self.model, self.cache = model, cache
         self.block_size = cache.block_size
         self.device = cache.device
-        self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
-        self.use_cuda_graphs = self.device.type == "cuda" and not config.enforce_eager
+        self.max_model_len, self.max_blocks_per_seq = max_model_len, cdiv(max_model_len, self.block_size)
+        # graphs hold minillm's Triton kernels: MINILLM_KERNELS=torch (the references) runs eagerly
+        self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
+                                and get_kernel_mode() != "torch")
         self.graph_sizes = cuda_graph_sizes(config.max_num_seqs, config.cuda_graph_max_batch)
         max_tokens = config.cuda_graph_max_tokens
         self.token_buckets = token_buckets(config.max_num_batched_tokens if max_tokens is None else max_tokens)
@@ -80,7 +82,7 @@ class ModelRunner:
         if self._first_layer.kv_cache is None or self._first_layer.kv_cache[0] is not self.cache.k_caches[0]:
             self.cache.bind(self.model)  # someone else (chapter 03's one-request path) used the model meanwhile
         ids, pos, slots, seq_lens, table = self.prepare(scheduled, block_tables)
-        # the graphs hold minillm's Triton kernels: kernel_mode("torch") asks for the references, eagerly
+        # ... and so does kernel_mode("torch") switched on later
         graphs = self.graphs if get_kernel_mode() != "torch" else None
         shape = graphs.shape_for(len(ids), len(scheduled)) if graphs is not None else None
         if shape is not None:
@@ -109,3 +111,9 @@ class ModelRunner:
         captured per token bucket when first needed."""
         if self.graphs is not None:
             self.graphs.capture_decode(progress)
+
+    @torch.inference_mode()
+    def capture_token_buckets(self) -> None:
+        """Record every token bucket's graph now (LLMEngine.warm_up), not at its first step."""
+        if self.graphs is not None and get_kernel_mode() != "torch":
+            self.graphs.capture_buckets(self.max_model_len)
