@@ -46,7 +46,7 @@ test-py: $(VENV)/.dev
 
 test-notebooks: $(VENV)/.dev
 	TRITON_INTERPRET=1 $(BIN)/pytest --nbval-lax --nbval-current-env -p no:cacheprovider \
-		--nbval-sanitize-with tests/nbval_sanitize.cfg -n 2 --dist loadscope -q \
+		--nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-kernel-startup-timeout 300 -n 2 --dist loadscope -q \
 		notebooks/*.ipynb notebooks/labs/*.ipynb
 
 test-hygiene: $(VENV)/.dev
