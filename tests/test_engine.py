@@ -42,6 +42,17 @@ def alone(model, tok, prompt, params, eos=()) -> list[list[int]]:
     return [s.output_ids for s in seqs]
 
 
+def pad_steps_eagerly(engine: LLMEngine) -> None:
+    """On a CPU: run the CUDA-graph path's padded static buffers eagerly (no capture), so the padding
+    is held to the same oracle as everything else."""
+    engine.runner.graphs = engine.runner.make_graphs(capture=False)
+
+
+def replayed_both_kinds(engine: LLMEngine) -> bool:
+    """A decode-batch graph and a graph of a step with prompt tokens were both replayed (not just captured)."""
+    return {shape.max_seqlen == 1 for shape in engine.runner.graphs.replays} == {True, False}
+
+
 def blocks_for(requests, block_size: int) -> int:
     return max(-(-(len(p) + sp.max_tokens) // block_size) for p, sp in requests)
 
@@ -59,8 +70,8 @@ def test_engine_matches_one_request_at_a_time(seed, tok, case):
                       max_num_batched_tokens=rng.randrange(4, 40), max_num_seqs=rng.randrange(3, 9))  # n <= 3
     engine = LLMEngine(model, tok, [], ec)
     padded = case >= 3 and engine.runner.graphs is None
-    if padded:  # a CPU: run the CUDA-graph path's padded static buffers eagerly, checked the same way
-        engine.runner.graphs = engine.runner.make_graphs(capture=False)
+    if padded:
+        pad_steps_eagerly(engine)
     aborted = {f"r{i}" for i in range(len(requests)) if rng.random() < 0.15}
     for i, (p, sp) in enumerate(requests):
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp, priority=rng.choice([0, 0, 1]))
@@ -82,8 +93,8 @@ def test_engine_matches_one_request_at_a_time(seed, tok, case):
     assert not bm.block_tables and not bm.cpu_tables  # everything given back
     assert bm.num_free_blocks == bm.num_blocks - 1
     assert sum(bm.ref_counts) == 0
-    if padded:  # both kinds of padded step ran: decode batches and steps with prompt tokens
-        assert {shape.max_seqlen == 1 for shape in engine.runner.graphs.replays} == {True, False}
+    if padded:
+        assert replayed_both_kinds(engine)
 
 
 def test_pressure_preempts_and_both_modes_finish(seed, tok):
@@ -254,7 +265,7 @@ def test_padded_steps_through_the_triton_kernels(seed, tok):
     expected = [alone(model, tok, p, sp) for p, sp in requests]
     engine = LLMEngine(model, tok, [], EngineConfig(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=24,
                                                     max_num_seqs=3))
-    engine.runner.graphs = engine.runner.make_graphs(capture=False)
+    pad_steps_eagerly(engine)
     with kernel_mode("triton"):
         for i, (p, sp) in enumerate(requests):
             engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
@@ -262,7 +273,7 @@ def test_padded_steps_through_the_triton_kernels(seed, tok):
         while engine.has_unfinished_requests():
             got |= {o.request_id: [c.token_ids for c in o.outputs] for o in engine.step() if o.finished}
     assert [got[f"r{i}"] for i in range(len(requests))] == expected
-    assert {shape.max_seqlen == 1 for shape in engine.runner.graphs.replays} == {True, False}
+    assert replayed_both_kinds(engine)
 
 
 def test_warm_up_captures_every_token_bucket(seed, tok):
@@ -271,7 +282,7 @@ def test_warm_up_captures_every_token_bucket(seed, tok):
     model, _ = random_model(random.Random(seed))
     engine = LLMEngine(model, tok, [], EngineConfig(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=80,
                                                     max_num_seqs=4))
-    engine.runner.graphs = engine.runner.make_graphs(capture=False)
+    pad_steps_eagerly(engine)
     engine.warm_up(max_prompt_len=8)
     captured = {shape.tokens for shape in engine.runner.graphs.steps if shape.max_seqlen > 1}
     assert captured == set(token_buckets(80)) == {16, 32, 64, 80}
@@ -322,8 +333,10 @@ def test_embedded_model_on_gpu_with_and_without_cuda_graphs(seed, enforce_eager)
     params = [SamplingParams(max_tokens=rng.randrange(8, 48), n=rng.choice([1, 2]), ignore_eos=True,
                              temperature=rng.choice([0.0, 0.7]), seed=rng.randrange(1 << 30)) for _ in prompts]
     llm.engine.warm_up()  # with graphs: every token bucket captured on dummy prompts, then replayed below
+    if not enforce_eager:
+        llm.engine.runner.graphs.replays.clear()  # count only what generate replays
     outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, sp, out in zip(prompts, params, outs):
         want = alone(llm.model, llm.tokenizer, prompt["prompt_token_ids"], sp, llm.eos_token_ids)
         assert [c.token_ids for c in out.outputs] == want
-    assert enforce_eager or {shape.max_seqlen == 1 for shape in llm.engine.runner.graphs.replays} == {True, False}
+    assert enforce_eager or replayed_both_kinds(llm.engine)

@@ -169,8 +169,7 @@ class StepGraphs:
     def _dummy(self, shape: Shape, lens: list[int]) -> None:
         t, width = sum(lens), self.table.shape[1]
         self._fill(shape, [0] * t, [0] * t, [-1] * t, lens, [[0] * width] * len(lens), lens)
-        if shape not in self.steps:
-            self._capture(shape)
+        self._capture(shape)
 
     def clear(self) -> None:
         self.steps.clear()

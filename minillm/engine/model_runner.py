@@ -82,14 +82,13 @@ class ModelRunner:
         if self._first_layer.kv_cache is None or self._first_layer.kv_cache[0] is not self.cache.k_caches[0]:
             self.cache.bind(self.model)  # someone else (chapter 03's one-request path) used the model meanwhile
         ids, pos, slots, seq_lens, table = self.prepare(scheduled, block_tables)
-        # ... and so does kernel_mode("torch") switched on later
-        graphs = self.graphs if get_kernel_mode() != "torch" else None
+        query_lens = [n for _, n in scheduled]
+        graphs = self._live_graphs()
         shape = graphs.shape_for(len(ids), len(scheduled)) if graphs is not None else None
         if shape is not None:
-            query_lens = [n for _, n in scheduled]
-            return self.graphs.run(shape, ids, pos, slots, seq_lens, table, query_lens)[sample_rows]
+            return graphs.run(shape, ids, pos, slots, seq_lens, table, query_lens)[sample_rows]
         dev = self.device
-        meta = AttentionMetadata.from_seq_lens([n for _, n in scheduled], dev)
+        meta = AttentionMetadata.from_seq_lens(query_lens, dev)
         meta.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)  # [B]
         meta.block_table = torch.tensor(table, dtype=torch.int32, device=dev)  # [B, W]
         meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)  # [T]
@@ -105,15 +104,20 @@ class ModelRunner:
 
     # ---- CUDA graphs -----------------------------------------------------------------------------
 
+    def _live_graphs(self) -> StepGraphs | None:
+        """The graphs, unless kernel_mode("torch") was switched on after start-up: they hold minillm's
+        Triton kernels, and the references must run eagerly (they synchronise with the host)."""
+        return self.graphs if get_kernel_mode() != "torch" else None
+
     @torch.inference_mode()
     def capture_cuda_graphs(self, progress: bool = True) -> None:
         """Record one decode step per batch size in graph_sizes now; steps with prompt tokens are
         captured per token bucket when first needed."""
-        if self.graphs is not None:
-            self.graphs.capture_decode(progress)
+        if (graphs := self._live_graphs()) is not None:
+            graphs.capture_decode(progress)
 
     @torch.inference_mode()
     def capture_token_buckets(self) -> None:
         """Record every token bucket's graph now (LLMEngine.warm_up), not at its first step."""
-        if self.graphs is not None and get_kernel_mode() != "torch":
-            self.graphs.capture_buckets(self.max_model_len)
+        if (graphs := self._live_graphs()) is not None:
+            graphs.capture_buckets(self.max_model_len)
