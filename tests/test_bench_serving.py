@@ -70,6 +70,20 @@ def test_throughput_counts_and_ratio(seed, tmp_path, capsys):
     assert f"first {hf_n} of {n} requests" in out and "measured ceilings" in out and "transformers" in out
 
 
+def test_hf_peer_is_warmed_with_a_whole_batch_outside_the_clock(monkeypatch):
+    calls = []
+    real = serving.hf_peer.static_batches
+
+    def spy(hf, requests, batch_size, device, progress=True, desc=None):
+        calls.append((len(requests), batch_size, desc))
+        return real(hf, requests, batch_size, device, progress=progress, desc=desc)
+
+    monkeypatch.setattr(serving.hf_peer, "static_batches", spy)
+    res = serving.throughput(TINY, num_requests=5, **SIZES, hf_batch_size=2, device="cpu", progress=False)
+    assert calls == [(2, 2, "HF generate, warm-up batch"), (5, 2, None)]  # the warm-up first, then the timed run
+    assert res["hf"]["num_requests"] == 5 and res["hf"]["num_batches"] == 3  # the warm-up is not counted
+
+
 def test_throughput_without_peer():
     res = serving.throughput(TINY, num_requests=2, **SIZES, hf=False, device="cpu", progress=False)
     assert res["hf"] is None and res["ratio"] is None and res["hf_requests"] is None
@@ -101,9 +115,10 @@ def test_cli_latency_on_an_hf_folder(tmp_path, capsys):
     out = tmp_path / "lat.json"
     assert main(["bench", "latency", "--model", str(folder), "--input-len", "6", "--output-len", "4",
                  "--num-iters", "1", "--num-iters-warmup", "0", "--device", "cpu", "--block-size", "8",
-                 "--json", str(out)]) == 0
+                 "--cuda-graph-max-tokens", "0", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["input_len"] == 6 and res["output_len"] == 4 and res["engine_config"]["block_size"] == 8
+    assert res["engine_config"]["cuda_graph_max_tokens"] == 0
     assert res["ratio"] == pytest.approx(res["minillm"]["decode_tok_s"] / res["hf"]["decode_tok_s"])
     assert "pct_of_floor" in capsys.readouterr().out
 

@@ -12,10 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 WALKTHROUGHS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 LABS = sorted((ROOT / "notebooks" / "labs").glob("[0-9][0-9]_*.ipynb"))
-# Walkthroughs whose stored outputs are still a CPU run's: the session that built chapters 05-07 spent
-# its GPU time on the engine's tests and benchmarks (issue 5 stays open for the H100 run). Strict
-# xfail: once a GPU run is stored, the test fails until the name is taken off this list.
-GPU_RUN_PENDING = {"07_continuous_batching"}
+
 
 
 def _cells(nb):
@@ -45,9 +42,7 @@ def test_stored_with_outputs(path):
     assert any(c.outputs for c in code)
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="H100 run pending")) if p.stem in GPU_RUN_PENDING else p
-    for p in WALKTHROUGHS], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", WALKTHROUGHS, ids=lambda p: p.stem)
 def test_outputs_come_from_a_gpu_run(path):
     nb = nbformat.read(path, as_version=4)
     first = next(c for c in nb.cells if c.cell_type == "code" and c.outputs)

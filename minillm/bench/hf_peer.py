@@ -86,7 +86,7 @@ def _sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def static_batches(hf, requests: list[tuple[list[int], int]], batch_size: int, device: torch.device,
-                   progress: bool = True) -> dict:
+                   progress: bool = True, desc: str | None = None) -> dict:
     """Serve (prompt ids, output length) requests in order, `batch_size` at a time; wall time and token counts."""
     from tqdm.auto import tqdm
 
@@ -95,7 +95,7 @@ def static_batches(hf, requests: list[tuple[list[int], int]], batch_size: int, d
     batches = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
     _sync(device)
     start = time.perf_counter()
-    for batch in tqdm(batches, desc=f"HF generate, static batches of {batch_size}", disable=not progress):
+    for batch in tqdm(batches, desc=desc or f"HF generate, static batches of {batch_size}", disable=not progress):
         width, new = max(len(p) for p, _ in batch), max(n for _, n in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)  # [B, width], padded on the left
         mask = torch.zeros(len(batch), width, dtype=torch.long)
