@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from .checks import check_float_tensor, check_last_dim
+
 BLOCK = 1024  # columns per program: 4 KB of fp32 per operand, a comfortable register tile
 
 
@@ -47,14 +48,10 @@ def _silu_and_mul_kernel(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] -> silu(x[..., :I]) * x[..., I:], a new [..., I] tensor in x's dtype."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    check_float_tensor("x", x, contiguous=False)
     if x.dim() < 1 or x.shape[-1] % 2 != 0:
         raise ValueError(f"x's last dim must be even (gate and up halves), got shape {tuple(x.shape)}")
-    if x.shape[-1] > 1 and x.stride(-1) != 1:
-        raise ValueError(f"x's last dim must be contiguous (stride 1), got strides {x.stride()}")
+    check_last_dim("x", x)
     inter = x.shape[-1] // 2  # I, the MLP's intermediate size
     x2 = x.reshape(-1, 2 * inter)  # [rows, 2I]; a view whenever the leading dims allow one
     out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)

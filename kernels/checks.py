@@ -1,6 +1,10 @@
-"""Argument checks shared by the attention kernels and their references (flash_attn, flash_decode,
-attention_ref).
+"""Argument checks shared by the kernels and their references.
 
+What every kernel needs of a tensor is checked here once, with one text each: a torch.Tensor, of a
+dtype it computes in (FLOAT_DTYPES; COPY_DTYPES for store_kv's pure copy), its last dim contiguous,
+on a CUDA device or under Triton's interpreter. The int arguments use `minillm.checks`.
+
+The attention kernels (flash_attn, flash_decode, attention_ref) share the rest of their checks too.
 `strict` is the kernels' side: int32 indices, fp16/bf16/fp32, a contiguous last dim, a tile-sized
 head_dim, a CUDA tensor or Triton's interpreter. The references take anything PyTorch can compute
 with, so that they stay usable as oracles on odd inputs.
@@ -12,9 +16,48 @@ import os
 
 import torch
 
+from ..checks import check_int
+
 # Triton picks its CPU interpreter when a kernel is decorated, so read the switch the same way.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+COPY_DTYPES = (*FLOAT_DTYPES, torch.float64)
+
+
+def check_tensor(name: str, t) -> None:
+    """A torch.Tensor (checked first, so the checks after it may read dtype, shape and strides)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def check_last_dim(name: str, t: torch.Tensor) -> None:
+    """The kernels index a row's numbers as consecutive: the last dim must have stride 1 (or size 1)."""
+    if t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {t.stride()}")
+
+
+def check_float_tensor(name: str, t, dtypes: tuple | None = FLOAT_DTYPES, *, dims: int | None = None,
+                       layout: str = "", contiguous: bool = True) -> None:
+    """A tensor of one of `dtypes` (None: any floating-point dtype), `dims`-D when given (`layout`
+    names the dims in the error), with a contiguous last dim unless contiguous=False."""
+    check_tensor(name, t)
+    if dtypes is None:
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    elif t.dtype not in dtypes:
+        names = [str(d).removeprefix("torch.") for d in dtypes]
+        raise TypeError(f"{name} must be {', '.join(names[:-1])} or {names[-1]}, got {t.dtype}")
+    if dims is not None and t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
+    if contiguous:
+        check_last_dim(name, t)
+
+
+def check_device(name: str, t: torch.Tensor) -> None:
+    """A Triton kernel runs on a CUDA tensor, or on any tensor under the interpreter."""
+    if t.device.type != "cuda" and not INTERPRET:
+        raise ValueError(f"the Triton kernels need CUDA tensors ({name} is on {t.device}) or Triton's "
+                         "interpreter: set TRITON_INTERPRET=1 before minillm is imported")
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -26,8 +69,7 @@ def check_head_dim(head_dim: int) -> None:
 
 def check_index(name: str, t, shape: tuple, strict: bool) -> None:
     """An integer index tensor (int32 for the kernels) of the given shape (None: any size there)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensor(name, t)
     if strict and t.dtype != torch.int32:
         raise TypeError(f"{name} must be int32, got {t.dtype}")
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
@@ -40,14 +82,7 @@ def check_index(name: str, t, shape: tuple, strict: bool) -> None:
 def check_qkv(q, k, v, k_dims: int, strict: bool) -> None:
     """q [..., Hq, D]; k, v of k_dims dims ending [Hkv, D]; one dtype and device; Hq a multiple of Hkv."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if strict and t.dtype not in KERNEL_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
-        if not t.dtype.is_floating_point:
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-        if strict and t.stride(-1) != 1:
-            raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {t.stride()}")
+        check_float_tensor(name, t, FLOAT_DTYPES if strict else None, contiguous=strict)
     if k.dim() != k_dims or k.shape != v.shape:
         raise ValueError(f"k and v must both be {k_dims}-D [..., num_kv_heads, head_dim], got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
@@ -62,17 +97,14 @@ def check_qkv(q, k, v, k_dims: int, strict: bool) -> None:
                          f"of KV heads ({k.shape[-2]})")
     if strict:
         check_head_dim(q.shape[-1])
-        if q.device.type != "cuda" and not INTERPRET:
-            raise ValueError(f"the Triton kernels need CUDA tensors (q is on {q.device}) or Triton's "
-                             "interpreter: set TRITON_INTERPRET=1 before minillm is imported")
+        check_device("q", q)
         if INTERPRET and q.dtype == torch.bfloat16:  # seen with Triton 3.9: bf16 tl.dot returns garbage
             raise TypeError("Triton's CPU interpreter gets bfloat16 tl.dot wrong: use float32 or "
                             "float16 on a CPU")
 
 
 def check_window(sliding_window) -> None:
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+    check_int("sliding_window", sliding_window, optional=True)
 
 
 def check_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, block_table,
@@ -98,7 +130,6 @@ def check_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, b
         check_index("block_table", block_table, (B, None), strict)
     else:
         check_index("cu_seqlens_k", cu_seqlens_k, (B + 1,), strict)
-    if not isinstance(max_seqlen_q, int) or max_seqlen_q < 1:
-        raise ValueError(f"max_seqlen_q must be a positive int, got {max_seqlen_q!r}")
+    check_int("max_seqlen_q", max_seqlen_q)
     check_window(sliding_window)
     return paged

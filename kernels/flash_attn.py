@@ -77,7 +77,7 @@ def prune_fp32(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
+def dot(a, b, acc, IEEE: tl.constexpr):
     """a @ b (+ acc) in fp32. fp32 inputs would run as TF32 (10-bit mantissa) unless told otherwise."""
     if IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")
@@ -120,7 +120,7 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, K, V, start, end, seqlen_k, k_start, 
             k = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0)
         else:
             k = tl.load(k_ptrs)
-        qk = _dot(q, k, None, IEEE)  # [BLOCK_M, BLOCK_N] raw scores q.k, fp32
+        qk = dot(q, k, None, IEEE)  # [BLOCK_M, BLOCK_N] raw scores q.k, fp32
         if MASK:
             visible = in_seq[None, :]  # [1, BLOCK_N], broadcast to [BLOCK_M, BLOCK_N] below
             if CAUSAL:
@@ -141,7 +141,7 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, K, V, start, end, seqlen_k, k_start, 
             v = tl.load(v_ptrs)
         alpha = tl.exp2(m_i - m_sub)  # [BLOCK_M] how much the old state shrinks (0 on the first tile)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)  # [BLOCK_M, HEAD_DIM]
+        acc = dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)  # [BLOCK_M, HEAD_DIM]
         m_i = m_new
     return acc, l_i, m_i
 

@@ -40,9 +40,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..checks import is_int
 from .attention_ref import attention_ref, gather_kv
 from .checks import INTERPRET, check_index, check_qkv, check_window
-from .flash_attn import LOG2E, _dot, prune_fp32
+from .flash_attn import LOG2E, dot, prune_fp32
 
 MAX_SPLITS = 64
 # The smallest key tile of the configs below: a split shorter than one tile is pure overhead.
@@ -107,13 +108,13 @@ def _flash_decode_split(
                     mask=in_range[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N], K transposed
         v = tl.load(V + (block * stride_v_blk + slot * stride_v_tok)[:, None] + offs_d[None, :],
                     mask=in_range[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
-        qk = _dot(q, k, None, IEEE)  # [BLOCK_H, BLOCK_N]
+        qk = dot(q, k, None, IEEE)  # [BLOCK_H, BLOCK_N]
         qk = tl.where(in_range[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: a tile holds at least one key in range
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+        acc = dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
         m_i = m_new
 
     if SINGLE_SPLIT:  # the whole sequence in one program: the result is final
@@ -164,7 +165,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, num_sms:
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the interpreter: any small number, so the tests exercise several splits
@@ -178,7 +179,7 @@ def _check_decode(q, k_cache, v_cache, seqused_k, block_table, sliding_window, n
     check_index("seqused_k", seqused_k, (B,), strict)
     check_index("block_table", block_table, (B, None), strict)
     check_window(sliding_window)
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+    if num_splits is not None and not (is_int(num_splits) and num_splits >= 1):
         raise ValueError(f"num_splits must be None (choose) or a positive int, got {num_splits!r}")
 
 
@@ -200,7 +201,7 @@ def flash_decode(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=N
     if sliding_window is not None:
         max_keys = min(max_keys, sliding_window)
     if num_splits is None:
-        num_splits = choose_num_splits(B, Hkv, max_keys, _num_sms(q.device))
+        num_splits = choose_num_splits(B, Hkv, max_keys, sm_count(q.device))
     single = num_splits == 1
     o_part = lse_part = None
     if not single:

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from .checks import FLOAT_DTYPES, check_float_tensor
 
 
 @triton.jit
@@ -67,18 +67,6 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row.to(tl.int64) * H + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_rows(name: str, t: torch.Tensor) -> None:
-    """A [T, H] float tensor whose rows may be strided but whose last dim is contiguous."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [num_tokens, hidden], got shape {tuple(t.shape)}")
-    if t.shape[1] > 1 and t.stride(1) != 1:
-        raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {t.stride()}")
-
-
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +75,8 @@ def rms_norm(
     With `residual` [T, H]: returns (norm(x + residual), x + residual), both new tensors; without,
     returns norm(x). The output's dtype is weight's and x's promoted together, as in the reference.
     """
-    _check_rows("x", x)
+    # x and residual: [T, H] float tensors whose rows may be strided but whose last dim is contiguous.
+    check_float_tensor("x", x, dims=2, layout="[num_tokens, hidden]")
     T, H = x.shape
     if not isinstance(weight, torch.Tensor) or weight.dtype not in FLOAT_DTYPES:
         raise TypeError(
@@ -98,7 +87,7 @@ def rms_norm(
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device} but x is on {x.device}")
     if residual is not None:
-        _check_rows("residual", residual)
+        check_float_tensor("residual", residual, dims=2, layout="[num_tokens, hidden]")
         if residual.shape != x.shape:
             raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
         if residual.dtype != x.dtype:

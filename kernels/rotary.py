@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from .checks import check_float_tensor
 
 
 @triton.jit
@@ -90,15 +90,6 @@ def _rotary_kernel(
     )
 
 
-def _check_float(name: str, t: torch.Tensor) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
-    if t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {t.stride()}")
-
-
 def _as_table(name: str, t: torch.Tensor, T: int, D: int) -> torch.Tensor:
     """cos or sin, [T, 1, D] or [T, D], as a [T, D] view."""
     if tuple(t.shape) not in ((T, 1, D), (T, D)):
@@ -115,7 +106,7 @@ def apply_rotary_(
     contiguous; cos and sin are already looked up for the T positions.
     """
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        _check_float(name, t)
+        check_float_tensor(name, t)
     if q.dim() != 3 or k.dim() != 3:
         raise ValueError(
             f"q and k must be 3-D [T, heads, head_dim], got {tuple(q.shape)} and {tuple(k.shape)}"

@@ -35,10 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import INTERPRET
-
-# A pure copy: any float Triton can load. (fp8 caches would need a scale: not here.)
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+from .checks import COPY_DTYPES, check_device, check_float_tensor, check_last_dim, check_tensor
 
 
 @triton.jit
@@ -76,16 +73,15 @@ def _store_kv_kernel(
 
 def _check(k, v, k_cache, v_cache, slot_mapping, strict: bool) -> None:
     """k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]; slot_mapping [T] int32/int64; one
-    dtype and device. `strict`: the kernel's extra needs (contiguous caches and head rows, CUDA or the
+    dtype and device. `strict`: the kernel's extra needs (COPY_DTYPES, any float Triton can load, as
+    this is a pure copy: fp8 caches would need a scale; contiguous caches and head rows; CUDA or the
     interpreter). bfloat16 is fine under the interpreter here, unlike for the attention kernels
     (kernels/checks.py): their trouble is bf16 tl.dot and fp32 -> bf16 rounding, and a copy does
     neither. The test copies all 65536 bf16 bit patterns through the interpreter bit for bit."""
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_tensor(name, t)
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not t.dtype.is_floating_point or (strict and t.dtype not in FLOAT_DTYPES):
-            raise TypeError(f"{name} must be a float16, bfloat16, float32 or float64 tensor, got {t.dtype}")
+        check_float_tensor(name, t, COPY_DTYPES if strict else None, contiguous=False)
         if t.dtype != k.dtype:
             raise TypeError(f"k, v and the caches must share a dtype, got k {k.dtype} and {name} {t.dtype}")
         if t.device != k.device:
@@ -105,14 +101,11 @@ def _check(k, v, k_cache, v_cache, slot_mapping, strict: bool) -> None:
     if not strict:
         return
     for name, t in (("k", k), ("v", v)):
-        if t.shape[2] > 1 and t.stride(2) != 1:
-            raise ValueError(f"{name}'s last dim must be contiguous (stride 1), got strides {t.stride()}")
+        check_last_dim(name, t)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
-    if k.device.type != "cuda" and not INTERPRET:
-        raise ValueError(f"the Triton kernels need CUDA tensors (k is on {k.device}) or Triton's "
-                         "interpreter: set TRITON_INTERPRET=1 before minillm is imported")
+    check_device("k", k)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .checks import check_int
+
 GiB = 1 << 30
 
 
@@ -52,8 +54,7 @@ def kv_cache_bytes(
     """Bytes of K and V for `batch` sequences of `seq_len` tokens each."""
     for name, value in [("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                         ("seq_len", seq_len), ("batch", batch)]:
-        if not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a non-negative int, not {value!r}")
+        check_int(name, value, 0)
     if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, (int, float)) or dtype_bytes <= 0:
         raise ValueError(f"dtype_bytes must be a positive number, not {dtype_bytes!r}")
     return kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype_bytes) * seq_len * batch

@@ -46,7 +46,7 @@ def test_max_batch():
     assert max_batch("Llama-3-8B", 8192, 10.5 * per_seq) == 10
 
 
-@pytest.mark.parametrize("bad", [dict(num_layers=-1), dict(seq_len=1.5), dict(batch="8")])
+@pytest.mark.parametrize("bad", [dict(num_layers=-1), dict(seq_len=1.5), dict(batch="8"), dict(head_dim=True)])
 def test_kv_rejects_bad_input(bad):
     args = dict(num_layers=2, num_kv_heads=2, head_dim=64, seq_len=10, batch=1) | bad
     with pytest.raises(ValueError, match=next(iter(bad))):

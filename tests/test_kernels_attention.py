@@ -272,6 +272,7 @@ def _varlen_args(**change):
     (dict(cu_seqlens_q=torch.tensor([0, 2, 5])), TypeError, "cu_seqlens_q must be int32"),
     (dict(cu_seqlens_k=torch.tensor([0, 5], dtype=torch.int32)), ValueError, "cu_seqlens_k must have shape"),
     (dict(max_seqlen_q=0), ValueError, "max_seqlen_q"),
+    (dict(max_seqlen_q=True), ValueError, "max_seqlen_q must be a positive int"),  # a bool is no size
     (dict(sliding_window=0), ValueError, "sliding_window"),
 ])
 def test_flash_attn_rejects_bad_input(change, error, match):
@@ -295,6 +296,7 @@ def test_flash_attn_cache_mode_checks_shapes():
     (dict(block_table=torch.zeros(2, 1, dtype=torch.int64)), TypeError, "block_table must be int32"),
     (dict(k_cache=torch.randn(4, 16, 3, 64)), ValueError, "k and v"),
     (dict(num_splits=0), ValueError, "num_splits"),
+    (dict(num_splits=True), ValueError, "num_splits"),
     (dict(sliding_window=-3), ValueError, "sliding_window"),
 ])
 def test_flash_decode_rejects_bad_input(change, error, match):

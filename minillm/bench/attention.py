@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..hw import ceilings, default_device, device_name, time_it
 from ..kernels.flash_attn import flash_attn_varlen
-from ..kernels.flash_decode import _num_sms, choose_num_splits, flash_decode
+from ..kernels.flash_decode import choose_num_splits, flash_decode, sm_count
 from .table import print_table
 
 # name: (query heads, KV heads, head_dim)
@@ -202,7 +202,7 @@ def _materialize_row(model, Hq, Hkv, D, S, device, dtype) -> dict:
 
 
 def _bench(device, dtype, grid, ceil, progress) -> dict:
-    sms = _num_sms(device)
+    sms = sm_count(device)
     out = {"prefill": [], "decode": [], "materialize": []}
     for model, (Hq, Hkv, D) in grid["shapes"].items():
         for S, B in itertools.product(grid["prefill"], (1, 4)):  # one sequence, and 4 of S / 4 tokens

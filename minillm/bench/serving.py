@@ -30,12 +30,12 @@ import time
 
 import torch
 
+from ..checks import check_int
 from ..engine import EngineConfig, LLMEngine
 from ..hw import default_device
 from ..sampling import SamplingParams
 from . import hf_peer
 from .serving_setup import (
-    check_positive,
     check_range,
     free_engine,
     header,
@@ -109,14 +109,13 @@ def throughput(model=None, *, num_requests: int | None = None, min_input_len: in
     s = _sizes(THROUGHPUT_SIZES, dict(num_requests=num_requests, min_input_len=min_input_len,
                                       max_input_len=max_input_len, min_output_len=min_output_len,
                                       max_output_len=max_output_len, hf_batch_size=hf_batch_size), device)
-    check_positive("num_requests", s["num_requests"])
+    check_int("num_requests", s["num_requests"])
     check_range("input_len", s["min_input_len"], s["max_input_len"])
     check_range("output_len", s["min_output_len"], s["max_output_len"])
-    check_positive("hf_batch_size", s["hf_batch_size"])
-    if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, not {seed!r}")
+    check_int("hf_batch_size", s["hf_batch_size"])
+    check_int("seed", seed, 0)
     n_hf = s["num_requests"] if hf_requests is None else hf_requests
-    check_positive("hf_requests", n_hf)
+    check_int("hf_requests", n_hf)
     if n_hf > s["num_requests"]:
         raise ValueError(f"hf_requests ({n_hf}) must be <= num_requests ({s['num_requests']})")
 
@@ -219,13 +218,12 @@ def latency(model=None, *, input_len: int | None = None, output_len: int | None 
     """Batch-1 latency through LLMEngine and HF generate, against the weight-reading floor."""
     device = default_device() if device is None else torch.device(device)
     s = _sizes(LATENCY_SIZES, dict(input_len=input_len, output_len=output_len), device)
-    check_positive("input_len", s["input_len"])
-    check_positive("output_len", s["output_len"])
+    check_int("input_len", s["input_len"])
+    check_int("output_len", s["output_len"])
     if s["output_len"] < 2:
         raise ValueError(f"output_len must be >= 2 (decode speed is measured after the first token), not {output_len}")
-    check_positive("num_iters", num_iters)
-    if not isinstance(num_iters_warmup, int) or num_iters_warmup < 0:
-        raise ValueError(f"num_iters_warmup must be an int >= 0, not {num_iters_warmup!r}")
+    check_int("num_iters", num_iters)
+    check_int("num_iters_warmup", num_iters_warmup, 0)
     models = load_models(model, device)
     if s["input_len"] + s["output_len"] > models.config.max_position_embeddings:
         raise ValueError(f"input_len + output_len = {s['input_len'] + s['output_len']} exceeds the model's "

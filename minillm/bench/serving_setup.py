@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..checks import check_int
 from ..config import PRESETS, ModelConfig, preset
-from ..engine.config import positive_int as check_positive
 from ..kv_memory import kv_bytes_per_token
 
 DUMMY = "-dummy"
@@ -104,8 +104,8 @@ def percentiles(values, prefix: str, scale: float = 1e3) -> dict:
 
 
 def check_range(name: str, lo, hi) -> None:
-    check_positive(f"min_{name}", lo)
-    check_positive(f"max_{name}", hi)
+    check_int(f"min_{name}", lo)
+    check_int(f"max_{name}", hi)
     if lo > hi:
         raise ValueError(f"min_{name} ({lo}) must be <= max_{name} ({hi})")
 

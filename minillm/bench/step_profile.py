@@ -28,6 +28,7 @@ import warnings
 
 import torch
 
+from ..checks import check_int
 from ..sampling import SamplingParams
 
 
@@ -105,8 +106,7 @@ def profile_decode_step(engine, batch_size: int, *, steps: int = 10, warmup: int
                         seed: int = 0) -> dict:
     """Where one decode step of `batch_size` running requests spends its time (see the module docstring)."""
     for name, value in (("batch_size", batch_size), ("steps", steps), ("prompt_len", prompt_len)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, not {value!r}")
+        check_int(name, value)
     if batch_size > engine.config.max_num_seqs:
         raise ValueError(f"batch_size ({batch_size}) exceeds the engine's max_num_seqs ({engine.config.max_num_seqs})")
     if engine.has_unfinished_requests():
