@@ -207,3 +207,162 @@ def test_stop_tokens_eos_and_length(tok):
     assert seq.finish_reason is None
     seq, _ = _feed(tok, "one two three four", SamplingParams(max_tokens=2))
     assert seq.finish_reason == "length" and len(seq.output_ids) == 2
+
+
+# ---- values the sampler cannot compute in float32, and the sampler's guard ---------------------
+
+
+def _one_row(params, logits, banned=None, prompts=None):
+    meta = _meta([params], banned=banned, prompts=prompts, vocab=logits.shape[-1])
+    return Sampler()(logits[None].clone(), meta).token_ids.item()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(top_p=1e-300), r"top_p must be in \(0, 1\].*0 in float32"),
+    (dict(repetition_penalty=1e-45), "repetition_penalty must be > 0.*smallest normal"),
+    (dict(temperature=float("inf")), "temperature must be >= 0.*finite"),
+    (dict(temperature=1e39), "temperature must be >= 0.*finite in float32"),  # finite in Python, inf in float32
+    (dict(repetition_penalty=float("inf")), "repetition_penalty.*finite"),
+    (dict(top_p=float("nan")), "top_p"), (dict(min_p=float("inf")), "min_p"),
+    (dict(presence_penalty=float("-inf")), "presence_penalty"),
+])
+def test_values_the_sampler_cannot_compute_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_tiny_temperatures_are_greedy():
+    """The rule (vLLM's): a temperature below 1e-5 samples greedily; it used to overflow logits / T to
+    inf, the softmax to NaN, and the race's argmax to token 0."""
+    logits = torch.tensor([1.0, 3.0, -2.0, 0.5, 2.0, 0.0])
+    for t in (1e-40, 1e-6, 5e-324):
+        p = SamplingParams(temperature=t)
+        assert p.temperature == 0.0 and p.greedy
+        assert _one_row(p, logits) == 1
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5  # the boundary itself still samples
+
+
+def test_the_old_token_0_cases_now_pick_a_real_token():
+    """Each of these gave token 0 (a NaN row) before; each is now refused or computed."""
+    logits = torch.tensor([1.0, 3.0, -2.0, 0.5, 2.0, 0.0])
+    assert _one_row(SamplingParams(temperature=1e-40), logits) == 1
+    for kwargs in (dict(top_p=1e-300), dict(repetition_penalty=1e-45), dict(temperature=float("inf"), min_tokens=2)):
+        with pytest.raises(ValueError):
+            SamplingParams(**kwargs)
+    # the smallest allowed values still give a sensible token, never a NaN row
+    assert _one_row(SamplingParams(top_p=1e-45), logits) == 1
+    seen = [1, 4]  # both positive: divided by a tiny penalty they become huge (or inf), and win
+    assert _one_row(SamplingParams(repetition_penalty=1.2e-38, temperature=1.0), logits, prompts=[seen]) == 1
+
+
+def test_sampler_guard_nan_and_inf_rows_never_become_token_0():
+    """Rows the sampler cannot turn into a distribution fall back to the argmax of their finite scores
+    (NaN ignored, +inf the largest), greedy and sampled rows alike."""
+    nan, inf = float("nan"), float("inf")
+    V6 = 6
+    rows = torch.tensor([
+        [nan, 1.0, 5.0, nan, 2.0, 0.0],  # the model emitted NaNs: token 2, never a NaN's position
+        [nan, 1.0, 5.0, nan, 2.0, 0.0],  # the same, sampled
+        [0.0, 1.0, 2.0, inf, 2.0, 0.0],  # +inf: softmax -> NaN; the +inf token is the limit
+        [-inf, -inf, -inf, -inf, 7.0, -inf],  # 4 is banned below: nothing allowed is finite after the ban
+        [1.0, 3.0, -2.0, 0.5, 2.0, 0.0],  # overflowing temperature (set past the params' checks)
+        [1.0, 3.0, -2.0, 0.5, 2.0, 0.0],  # top_p of 0 in float32 (set past the params' checks)
+    ])
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0)]
+    meta = _meta(params, banned=[[], [], [], [], [], []], vocab=V6)
+    meta.temperature[4] = 1e-40  # logits / T overflows to inf
+    meta.top_p[5] = 0.0  # every token filtered out
+    tokens = Sampler()(rows[:3].clone(), _sub(meta, slice(0, 3))).token_ids.tolist()
+    assert tokens == [2, 2, 3]
+    assert Sampler()(rows[4:].clone(), _sub(meta, slice(4, 6))).token_ids.tolist() == [1, 1]
+    # a row with no allowed finite score: the raw argmax among allowed tokens, else a clear error
+    ban = _meta([params[3]], banned=[[4]], vocab=V6)
+    with pytest.raises(ValueError, match=r"row\(s\) \[0\].*no finite value"):
+        Sampler()(rows[3:4].clone(), ban)
+    all_nan = torch.full((1, V6), nan)
+    with pytest.raises(ValueError, match="no finite value"):
+        Sampler()(all_nan, _meta([SamplingParams(temperature=0)], vocab=V6))
+
+
+def _sub(meta, rows):
+    """The metadata of a slice of the batch's rows."""
+    import dataclasses
+
+    def cut(v):
+        return v[rows] if isinstance(v, torch.Tensor) else v
+    return dataclasses.replace(meta, **{f.name: cut(getattr(meta, f.name)) for f in dataclasses.fields(meta)})
+
+
+def test_sampler_guard_overflowing_penalty_falls_back_to_the_limit():
+    """A repetition penalty that overflows a seen logit to +inf: the row's distribution is NaN; the
+    fallback is the token the overflow stood for (the seen token with the largest positive logit)."""
+    logits = torch.tensor([1.0, 3.0e30, -2.0, 0.5, 2.0, 0.0])
+    assert _one_row(SamplingParams(repetition_penalty=1e-9, temperature=0.7), logits, prompts=[[1, 4]]) == 1
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(stop=5), "stop must be a string or a list of strings, not int"),
+    (dict(stop_token_ids=5), r"stop_token_ids must be a list of token ids \(ints\), not int"),
+    (dict(stop_token_ids="12"), "stop_token_ids must be a list of token ids"),
+    (dict(stop=b"x"), "stop must be a string or a list of strings, not bytes"),
+    (dict(stop=[5]), r"stop\[0\] must be a non-empty string, not int"),
+    (dict(stop_token_ids=[1.0]), r"stop_token_ids\[0\] must be an int"),
+])
+def test_stop_fields_of_the_wrong_type_name_the_field(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_stop_fields_accept_one_string_none_and_sequences():
+    assert SamplingParams(stop="x").stop == ["x"]
+    assert SamplingParams(stop=("a", "b"), stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == []
+    assert SamplingParams(stop_token_ids=range(2)).stop_token_ids == [0, 1]
+
+
+# ---- verify(): edits after construction, token ids against the vocabulary ----------------------
+
+
+@pytest.mark.parametrize("field_name,value,exc,match", [
+    ("n", 0, ValueError, "n must be"), ("temperature", -1.0, ValueError, "temperature must be >= 0"),
+    ("top_p", 0.0, ValueError, "top_p must be in"), ("max_tokens", 0, ValueError, "max_tokens must be"),
+    ("stop", 5, TypeError, "stop must be a string"), ("stop_token_ids", [-1], ValueError, r"stop_token_ids\[0\]"),
+    ("ignore_eos", "yes", TypeError, "ignore_eos must be a bool"), ("min_tokens", 99, ValueError, "min_tokens"),
+    ("repetition_penalty", 1e-45, ValueError, "repetition_penalty"), ("seed", 1.5, TypeError, "seed must be an int"),
+])
+def test_verify_rechecks_fields_edited_after_construction(field_name, value, exc, match):
+    sp = SamplingParams()
+    setattr(sp, field_name, value)  # dataclasses do not check assignments: verify() must
+    with pytest.raises(exc, match=match):
+        sp.verify()
+
+
+def test_verify_normalises_like_the_constructor():
+    sp = SamplingParams()
+    sp.stop, sp.temperature = "end", 1e-40
+    sp.verify()
+    assert sp.stop == ["end"] and sp.temperature == 0.0 and sp.greedy
+    SamplingParams().verify(vocab_size=V)  # the defaults pass
+
+
+def test_verify_checks_token_ids_against_the_vocabulary():
+    sp = SamplingParams(stop_token_ids=[2, 128009])  # a Llama-3 id on SmolLM2's 49152-token vocabulary
+    sp.verify()  # without a vocabulary the id is only checked to be a non-negative int
+    with pytest.raises(ValueError, match=r"stop_token_ids\[1\] must be a token id in \[0, 49152\).*got 128009"):
+        sp.verify(vocab_size=49152)
+    SamplingParams(stop_token_ids=[0, 49151]).verify(49152)
+    with pytest.raises(ValueError, match=r"stop_token_ids\[0\] must be a token id in \[0, 49152\)"):
+        SamplingParams(stop_token_ids=[49152]).verify(49152)
+    with pytest.raises(ValueError, match="vocab_size must be"):
+        SamplingParams().verify(vocab_size=0)
+    with pytest.raises(TypeError, match="vocab_size must be an int"):
+        SamplingParams().verify(vocab_size=49152.0)
+
+
+def test_sampler_guard_row_penalised_to_all_minus_inf_uses_the_raw_argmax():
+    """Every token seen and negative, the largest penalty float32 holds: logits x 3e38 are all -inf; the
+    row falls back to the model's own argmax (token 1), not to token 0."""
+    logits = torch.tensor([-5.0, -4.0, -10.0, -6.0])
+    for t in (0.0, 1.0):
+        assert _one_row(SamplingParams(repetition_penalty=3e38, temperature=t), logits, prompts=[[0, 1, 2, 3]]) == 1

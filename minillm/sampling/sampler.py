@@ -9,6 +9,8 @@ GPU operations, with no Python loop over rows:
     4. temperature, then top-k, top-p and min-p filtering (the order of HF `generate`)
     5. sample by exponential race: argmax(p / E) with E ~ Exp(1) from counter-based uniforms, which
        picks token i with probability p_i (the first of n exponential clocks to ring, with rates p_i)
+    6. guard: a row whose scores are NaN, all -inf, or overflowed float32 is never sampled as token 0
+       (argmax's answer for such a row); it falls back to its argmax of finite scores (`_fallback_tokens`)
 
 Log-probabilities are reported from the model's raw logits (before penalties and filters), as vLLM does.
 """
@@ -50,7 +52,7 @@ class SamplingMetadata:
         rep = any(p.repetition_penalty != 1.0 for p in params)
         pen = rep or any(p.presence_penalty or p.frequency_penalty for p in params)
         return cls(
-            temperature=col([p.temperature for p in params]),
+            temperature=col([0.0 if p.greedy else p.temperature for p in params]),  # below 1e-5: greedy
             top_k=col([p.top_k if p.top_k > 0 else V for p in params], torch.int64),
             top_p=col([p.top_p for p in params]),
             min_p=col([p.min_p for p in params]),
@@ -95,10 +97,17 @@ class Sampler:
             logits = logits.masked_fill(meta.banned, float("-inf"))
         greedy = meta.temperature == 0
         token_ids = logits.argmax(dim=-1)
+        # a row is broken when its scores hold a NaN (argmax would pick it) or nothing above -inf (argmax
+        # would pick token 0): [B] bool
+        broken = logits.isnan().any(dim=-1) | (logits.amax(dim=-1) == float("-inf"))
         if not bool(greedy.all()):
             probs = filtered_probs(logits, meta)
             race = probs / -torch.log(uniforms(meta.seeds, meta.steps, probs.shape[1]))  # p_i / E_i
             token_ids = torch.where(greedy, token_ids, race.argmax(dim=-1))
+            # logits / temperature or a penalty may overflow float32 (+inf -> NaN after the softmax)
+            broken |= ~greedy & (probs.isnan().any(dim=-1) | ~(probs.sum(dim=-1) > 0))
+        if bool(broken.any()):
+            token_ids = torch.where(broken, _fallback_tokens(raw, logits, meta, broken), token_ids)
         return self._logprobs(raw, token_ids, meta.num_logprobs)
 
     @staticmethod
@@ -110,6 +119,31 @@ class Sampler:
         ranks = (logp > chosen).sum(dim=-1) + 1
         top = logp.topk(k, dim=-1) if k > 0 else None
         return SamplerOutput(token_ids, chosen[:, 0], ranks, top and top.indices, top and top.values)
+
+
+def _fallback_tokens(raw: torch.Tensor, logits: torch.Tensor, meta: SamplingMetadata,
+                     broken: torch.Tensor) -> torch.Tensor:
+    """[B] the token of each broken row: never a NaN's position, never a silent token 0.
+
+    A row whose distribution cannot be computed (NaN or inf logits from the model, or a penalty or
+    temperature that overflowed float32) is sampled greedily instead: the argmax of its scores after
+    penalties and bans, NaN ignored and +inf counted as the largest (that is the limit the overflow
+    stood for, and it lies inside every top-k / top-p / min-p set). If nothing is left above -inf,
+    the argmax of the model's raw finite logits among the allowed tokens. A row with no such value at
+    all has no token to give, and the sampler raises a ValueError naming it.
+    """
+    neg_inf = float("-inf")
+    scores = logits.nan_to_num(nan=neg_inf, posinf=torch.finfo(logits.dtype).max, neginf=neg_inf)  # [B, V]
+    plain = raw.nan_to_num(nan=neg_inf, posinf=torch.finfo(raw.dtype).max, neginf=neg_inf)  # [B, V]
+    if meta.banned is not None:
+        plain = plain.masked_fill(meta.banned, neg_inf)
+    scores = torch.where((scores.amax(dim=-1) == neg_inf)[:, None], plain, scores)
+    empty = broken & (scores.amax(dim=-1) == neg_inf)
+    if bool(empty.any()):
+        rows = empty.nonzero()[:, 0].tolist()
+        raise ValueError(f"Sampler: the logits of row(s) {rows} have no finite value for an allowed token "
+                         f"(all NaN or -inf, or banned): the model's output is broken, there is no token to pick")
+    return scores.argmax(dim=-1)
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
