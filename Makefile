@@ -3,7 +3,7 @@
 #   make run     answer a prompt with the embedded SmolLM2-135M-Instruct (PROMPT="..." to change it)
 #   make test    everything CI runs: unit and oracle tests, notebooks, lab bite, hygiene, site
 #
-# Both create .venv and install what they need into it. Other targets: labs, docs, serve-docs, lint.
+# Both create .venv and install what they need into it. Other targets: labs, docs, serve-docs, lint, mermaid.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: run test test-py test-notebooks test-labs test-hygiene lint docs serve-docs labs chromium clean
+.PHONY: run test test-py test-notebooks test-labs test-hygiene lint docs serve-docs labs chromium mermaid clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,7 +41,7 @@ run: $(VENV)/.runtime
 test: $(VENV)/.dev chromium test-py test-notebooks test-hygiene lint docs
 	@echo "make test: all green"
 
-test-py: $(VENV)/.dev
+test-py: $(VENV)/.dev mermaid
 	$(BIN)/pytest tests/ -n 2 -q
 
 test-notebooks: $(VENV)/.dev
@@ -59,10 +59,10 @@ lint: $(VENV)/.dev
 labs: $(VENV)/.runtime
 	$(BIN)/minillm labs build
 
-docs: $(VENV)/.dev
+docs: $(VENV)/.dev mermaid
 	$(BIN)/mkdocs build --strict
 
-serve-docs: $(VENV)/.dev
+serve-docs: $(VENV)/.dev mermaid
 	$(BIN)/mkdocs serve
 
 # headless Chromium for the site test (Debian's package); needs root or sudo the first time
@@ -71,6 +71,15 @@ chromium:
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		echo "installing chromium (for the site test)"; \
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
+
+# mermaid's JavaScript for the site (diagrams offline): the npm registry's package, pinned by version and
+# sha512 in chapters/_site/vendor_mermaid.py, installed into .venv; npm from Debian if the machine lacks it
+mermaid: | $(BIN)/python
+	@command -v npm >/dev/null 2>&1 || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		echo "installing npm (to fetch mermaid for the site)"; \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq npm >/dev/null; }
+	$(BIN)/python chapters/_site/vendor_mermaid.py
 
 clean:
 	rm -rf $(VENV) site build .pytest_cache notebooks/labs/student

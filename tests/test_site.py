@@ -1,10 +1,12 @@
 """The course site: `mkdocs build --strict` succeeds, and in headless Chromium a chapter page, a
-rendered notebook with its plots, and the math on both actually render (MathJax served offline)."""
+rendered notebook with its plots, the math on both and the chapters' mermaid diagrams actually render,
+with no network beyond the site itself (MathJax and mermaid are served by the site)."""
 
 from __future__ import annotations
 
 import functools
 import http.server
+import re
 import shutil
 import subprocess
 import sys
@@ -15,9 +17,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# Every host but the test's own server fails to resolve, so a page that reaches for a CDN fails here
+# even on a machine with a network.
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--virtual-time-budget=20000"]
+                  "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1", "--virtual-time-budget=20000"]
+# Material draws each mermaid diagram into a closed shadow root, which --dump-dom does not print. A page
+# asked for with this query gets, first thing in its <head>, a shim that makes attachShadow hand back the
+# host element itself, so the diagram's SVG lands in the DOM that --dump-dom prints.
+LIGHT_DOM = "light-dom"
+LIGHT_DOM_SHIM = b"<script>Element.prototype.attachShadow = function () { return this; };</script>"
 
 
 def _chromium() -> str:
@@ -33,11 +42,29 @@ def site(tmp_path_factory):
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(out)],
                           cwd=ROOT, capture_output=True, text=True, env={**_env(), "NO_MKDOCS_2_WARNING": "1"})
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(out))
+    handler = functools.partial(_SiteHandler, directory=str(out))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield out, f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
+
+
+class _SiteHandler(http.server.SimpleHTTPRequestHandler):
+    """The built site, as is; an HTML page asked for with ?light-dom gets LIGHT_DOM_SHIM."""
+
+    def do_GET(self):
+        path, _, query = self.path.partition("?")
+        if query != LIGHT_DOM:
+            return super().do_GET()
+        file = Path(self.translate_path(path))
+        if file.is_dir():
+            file = file / "index.html"
+        body = file.read_bytes().replace(b"<head>", b"<head>" + LIGHT_DOM_SHIM, 1)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
 
 def _env():
@@ -69,6 +96,19 @@ def _math_ok(dom: str) -> bool:
     return 'class="MathJax' in dom and 'class="merror"' not in dom and "Math Processing Error" not in dom
 
 
+def _math_texts(dom: str) -> list[str]:
+    """The text of each typeset formula, from the MathML that MathJax puts beside it for screen readers."""
+    return [re.sub(r"<[^>]+>", "", m) for m in re.findall(r"<math\b.*?</math>", dom, flags=re.S)]
+
+
+def _stray_escapes(dom: str) -> list[str]:
+    """Formulas that show a backslash: a TeX escape that MathJax took as text (`\\_` inside `\\text{}`
+    stays `\\_`, since MathJax 2 reads \\text's argument verbatim: write `\\text{max_len}`)."""
+    texts = _math_texts(dom)
+    assert len(texts) == dom.count('class="arithmatex"'), "MathJax did not typeset every formula"
+    return [t for t in texts if "\\" in t]
+
+
 @pytest.mark.parametrize("page", ["00-why-inference-is-different/", "01-tokenizer/", "02-the-model/", "03-kv-cache/",
                                   "04-flash-attention/", "05-paged-kv/", "06-prefix-caching/",
                                   "07-continuous-batching/"])
@@ -77,12 +117,41 @@ def test_chapter_page_renders(site, page):
     dom = _dom(f"{base}/{page}")
     assert "<h1" in dom and "md-content" in dom
     assert "arithmatex" not in dom or _math_ok(dom), "MathJax did not typeset the chapter's math"
+    assert not (stray := _stray_escapes(dom)), f"math renders a TeX escape as text: {stray}"
 
 
 def test_chapter_math_renders(site):
     _, base = site
     dom = _dom(f"{base}/00-why-inference-is-different/")
     assert "arithmatex" in dom and _math_ok(dom), "MathJax did not typeset the chapter's math"
+
+
+def test_chapter_05_slot_row_formula_has_no_stray_backslash(site):
+    _, base = site
+    dom = _dom(f"{base}/05-paged-kv/")
+    assert _math_ok(dom) and not _stray_escapes(dom)
+    assert "s\u22c5max_len+p" in _math_texts(dom), "chapter 05's $s \\cdot \\text{max_len} + p$ is not typeset"
+
+
+def _mermaid_pages() -> list:
+    """(page URL, number of diagrams) for every page of chapters/ with a ```mermaid fence."""
+    pages = []
+    for md in sorted((ROOT / "chapters").glob("*.md")):
+        if n := len(re.findall(r"^\s*```mermaid\s*$", md.read_text(), flags=re.M)):
+            pages.append(pytest.param("" if md.stem == "index" else f"{md.stem}/", n, id=md.stem))
+    return pages
+
+
+@pytest.mark.parametrize(("page", "diagrams"), _mermaid_pages())
+def test_mermaid_diagrams_render_offline(site, page, diagrams):
+    out, base = site
+    assert (out / "assets" / "mermaid" / "mermaid.min.js").is_file(), "the site does not serve mermaid"
+    dom = _dom(f"{base}/{page}?{LIGHT_DOM}")
+    assert re.search(r'<script [^>]*src="[./]*assets/mermaid/mermaid\.min\.js"', dom), \
+        "the page does not load mermaid from the site"
+    drawn = re.findall(r'<div class="mermaid"><svg id="__mermaid_\d+"[^>]*aria-roledescription=', dom)
+    assert len(drawn) == diagrams, f"{len(drawn)} of {diagrams} mermaid diagrams drawn as SVG (offline)"
+    assert "Syntax error in text" not in dom
 
 
 @pytest.mark.parametrize("page", ["notebooks/00_why_inference_is_different/", "notebooks/01_tokenizer/",
