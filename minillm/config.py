@@ -1,6 +1,9 @@
 """ModelConfig: every number the forward pass needs, read from a GGUF header or a config.json.
 
-One config covers the Llama family as minillm supports it. The families differ in a few switches:
+The fields every decoder-only transformer has come first; a family with more to say carries it in
+an optional sub-config (`moe` for routed experts, `mla` for latent attention), so adding a family
+never changes what a Llama config holds. Which model file serves an architecture is the registry's
+business (models/registry.py). Within the Llama family the members differ in a few switches:
 
     llama   (Llama 2/3)  optional llama3 RoPE scaling, optional attention/MLP biases
     mistral              a sliding attention window
@@ -12,18 +15,52 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-SUPPORTED = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+from .checks import check_int
+from .models.registry import hf_architectures, model_type_of, model_types
+
 ROPE_TYPES = ("default", "llama3")
 
 
 @dataclass
+class MoEConfig:
+    """Routed experts (Mixtral, Qwen-MoE, DeepSeek): each token runs top_k of num_experts MLPs."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
+    num_shared_experts: int = 0  # experts every token runs (DeepSeek, Qwen2-MoE)
+    scoring_func: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self):
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            check_int(name, getattr(self, name), prefix="config moe.")
+        check_int("num_shared_experts", self.num_shared_experts, 0, prefix="config moe.")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"config moe.num_experts_per_tok ({self.num_experts_per_tok}) must be <= "
+                             f"num_experts ({self.num_experts})")
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): K and V come from one cached latent per token."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: q is projected directly, without a low-rank bottleneck
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            check_int(name, getattr(self, name), prefix="config mla.")
+        check_int("q_lora_rank", self.q_lora_rank, optional=True, prefix="config mla.")
+
+
+@dataclass
 class ModelConfig:
-    architecture: str  # llama | mistral | qwen2 | qwen3
+    architecture: str  # the model type: llama | mistral | qwen2 | qwen3 | any registered one
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -45,6 +82,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
+    moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
 
     def __post_init__(self):
         if not self.sliding_windows:
@@ -54,15 +93,13 @@ class ModelConfig:
     def validate(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                   "head_dim", "max_position_embeddings"):
-            value = getattr(self, f)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"config {f} must be a positive int, not {value!r}")
+            check_int(f, getattr(self, f), prefix="config ")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, not {self.head_dim}")
-        if self.architecture not in SUPPORTED.values():
-            raise ValueError(f"architecture {self.architecture!r} is not supported; supported: {sorted(SUPPORTED.values())}")
+        if self.architecture not in model_types():
+            raise ValueError(f"architecture {self.architecture!r} is not supported; supported: {model_types()}")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"rope scaling {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
@@ -71,13 +108,15 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
-        """Parameter count (embedding counted once when tied)."""
-        h, d = self.hidden_size, self.head_dim
-        attn = h * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * h
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h + (2 * d if self.qk_norm else 0)
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
+        """Parameter count of the model this config builds (a tied embedding counted once): the model
+        is built on the "meta" device, which allocates nothing, and its parameters are counted."""
+        import torch
+
+        from .models.registry import get_model_class
+
+        with torch.device("meta"):
+            model = get_model_class(self.architecture)(self)
+        return sum(p.numel() for p in model.parameters())  # parameters() yields a shared tensor once
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -91,11 +130,9 @@ class ModelConfig:
     def from_hf(cls, cfg: dict, generation_config: dict | None = None, name: str = "") -> ModelConfig:
         """From a Hugging Face config.json (transformers 4 or 5 layout)."""
         archs = cfg.get("architectures") or []
-        arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
+        arch = model_type_of(archs, cfg.get("model_type"))
         if arch is None:
-            arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(cfg.get("model_type"))
-        if arch is None:
-            raise ValueError(f"model {archs or cfg.get('model_type')!r} is not supported; supported: {sorted(SUPPORTED)}")
+            raise ValueError(f"model {archs or cfg.get('model_type')!r} is not supported; supported: {hf_architectures()}")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         # transformers 5 writes rope_parameters={"rope_theta":..., "rope_type":...}; 4 wrote rope_theta + rope_scaling
@@ -131,6 +168,8 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             name=name,
+            moe=_moe_config(cfg),
+            mla=_mla_config(cfg),
         )
 
     @classmethod
@@ -167,6 +206,28 @@ class ModelConfig:
             eos_token_ids=[int(eos)] if eos is not None else [],
             name=name or str(meta.get("general.name", "")),
         )
+
+
+def _moe_config(cfg: dict) -> MoEConfig | None:
+    """Routed experts, under the names the families use (Mixtral: num_local_experts; Qwen-MoE:
+    num_experts; DeepSeek: n_routed_experts)."""
+    n = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+    if not n:
+        return None
+    return MoEConfig(num_experts=n, num_experts_per_tok=cfg["num_experts_per_tok"],
+                     moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+                     norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                     num_shared_experts=cfg.get("n_shared_experts") or 0,
+                     scoring_func=cfg.get("scoring_func", "softmax"),
+                     routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)))
+
+
+def _mla_config(cfg: dict) -> MLAConfig | None:
+    if not cfg.get("kv_lora_rank"):
+        return None
+    return MLAConfig(kv_lora_rank=cfg["kv_lora_rank"], qk_nope_head_dim=cfg["qk_nope_head_dim"],
+                     qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
+                     q_lora_rank=cfg.get("q_lora_rank"))
 
 
 def _sliding_windows(arch: str, cfg: dict, layers: int) -> list[int | None]:

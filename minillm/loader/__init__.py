@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from ..config import ModelConfig, preset
 from ..layers import RotaryEmbedding
 from ..model_files import resolve_source
-from ..models import MODELS
+from ..models import get_model_class
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 
@@ -54,18 +55,26 @@ def load_model(source=None, *, dtype: torch.dtype = torch.float32, device: torch
     return model.eval(), config, tok
 
 
-def _build(config: ModelConfig, dtype: torch.dtype, device: torch.device):
-    # Build on the "meta" device (no memory), then allocate empty storage on the target: no time is
-    # spent on a random init that the checkpoint overwrites anyway.
-    with torch.device("meta"):
-        model = MODELS[config.architecture](config)
-    model = model.to_empty(device=device).to(dtype)
-    for module in model.modules():  # buffers (RoPE's cos/sin) are computed, not loaded
+def _build(config: ModelConfig, dtype: torch.dtype, device: torch.device, quant_config=None):
+    # Built straight on the target device in the target dtype: the layers allocate with torch.empty, so
+    # no time goes into a random init that the checkpoint overwrites anyway, and the parameters keep
+    # the attributes their layers gave them (weight_loader, ...), which a move between devices drops.
+    with torch.device(device), default_dtype(dtype):
+        model = get_model_class(config.architecture)(config, quant_config)
+    for module in model.modules():  # buffers (RoPE's cos/sin) are computed in fp32, never loaded
         if isinstance(module, RotaryEmbedding):
             module.compute_cache(device)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
     return model
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
 
 
 def _dummy(source, dtype, device):

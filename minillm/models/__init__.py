@@ -1,8 +1,5 @@
-"""Model classes by architecture. Every supported family runs through LlamaForCausalLM."""
+"""Model families, one file each, found through the registry (registry.py) and imported lazily."""
 
-from .llama import LlamaForCausalLM
+from .registry import get_model_class, hf_architectures, model_type_of, model_types, register_model
 
-MODELS = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
-          "qwen3": LlamaForCausalLM}
-
-__all__ = ["MODELS", "LlamaForCausalLM"]
+__all__ = ["get_model_class", "hf_architectures", "model_type_of", "model_types", "register_model"]

@@ -1,0 +1,77 @@
+"""The token embedding and the LM head, split by vocabulary rows across tensor-parallel ranks.
+
+    VocabParallelEmbedding  rank r holds rows [r * V/tp, (r + 1) * V/tp) of the [V, hidden] table; a
+                            token outside its range looks up zeros, and the all-reduce sums the ranks'
+                            rows into the one real embedding
+    ParallelLMHead          the same split: each rank computes the logits of its own vocabulary slice,
+                            gathered into [N, V] (or the embedding's own table, when tied)
+
+With one rank (until chapter 11) both are a plain table: F.embedding and F.linear.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+from .linear import copy_checked
+from .quantization import QuantizationConfig, UnquantizedEmbeddingMethod
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, quant_config: QuantizationConfig | None = None,
+                 prefix: str = ""):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.prefix = num_embeddings, embedding_dim, prefix
+        self.tp_rank, self.tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        # the last rank's slice may be shorter: ceil(V / tp) rows each, the overhang never looked up
+        per_rank = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * per_rank
+        self.vocab_end = min(self.vocab_start + per_rank, num_embeddings)
+        self.num_embeddings_per_partition = per_rank
+        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
+        self.quant_method = method or UnquantizedEmbeddingMethod()
+        self.quant_method.create_weights(self, per_rank, embedding_dim, torch.get_default_dtype(), self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        if self.tp_size > 1:  # this rank's rows; the overhang of the last rank stays as it is
+            loaded_weight = loaded_weight[self.vocab_start : self.vocab_end]
+            return copy_checked(param.data[: loaded_weight.shape[0]], loaded_weight)
+        copy_checked(param.data, loaded_weight)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return self.quant_method.embedding(self, input_ids)  # [T] -> [T, hidden]
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)  # [T]
+        x = self.quant_method.embedding(self, torch.where(mine, input_ids - self.vocab_start, 0))
+        return tensor_model_parallel_all_reduce(x * mine.unsqueeze(-1))  # [T, hidden]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_size}"
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden [N, hidden] -> logits [N, vocab] (this rank's slice, gathered)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, quant_config: QuantizationConfig | None = None,
+                 prefix: str = ""):
+        super().__init__(num_embeddings, embedding_dim, quant_config, prefix)
+
+    def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> ParallelLMHead:
+        """Share the embedding's table (tie_word_embeddings): one tensor, read by both."""
+        self.weight = embed_tokens.weight
+        return self
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.quant_method.apply(self, hidden)  # [N, V / tp]
+        logits = tensor_model_parallel_all_gather(logits)  # [N, V (+ overhang)]
+        return logits[..., : self.num_embeddings]
+
+    def forward(self, *args):
+        raise RuntimeError("the LM head is applied through compute_logits(hidden), not called")
