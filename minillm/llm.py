@@ -124,13 +124,33 @@ class LLM:
         return outputs
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True):
-        """messages: one conversation (a list of {"role", "content"} dicts) or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        if not isinstance(conversations, list) or not conversations:
+        """messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
+
+        Each conversation is tokenized by the chat template with its message contents as plain text
+        (tokenize=True): a content that spells "<|im_end|>" cannot end its turn or forge another role's.
+        RequestOutput.prompt is the rendered conversation.
+        """
+        if isinstance(messages, dict):
+            raise TypeError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of "
+                            "them, not one dict: wrap a single message in a list, [message]")
+        if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a conversation (list of {'role', 'content'} dicts) or a list of them")
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
-                   for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        batch = all(isinstance(c, (list, tuple)) for c in messages)
+        conversations = list(messages) if batch else [messages]
+        texts, prompts = [], []
+        for i, c in enumerate(conversations):
+            try:
+                texts.append(self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt))
+                prompts.append({"prompt_token_ids": self.tokenizer.apply_chat_template(
+                    c, add_generation_prompt=add_generation_prompt, tokenize=True)})
+            except (TypeError, ValueError) as e:
+                if not batch:
+                    raise
+                raise type(e)(f"conversation {i}: {e}") from None
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, text in zip(outputs, texts):
+            out.prompt = text
+        return outputs
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Text of one completion as it is generated (n must be 1): what `minillm generate` prints."""

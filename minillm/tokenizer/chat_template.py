@@ -10,11 +10,21 @@ wraps every turn in ChatML markers:
 We render the model's own template in a sandbox, with the settings and helpers that templates are
 written against (those of Hugging Face's `apply_chat_template`): blocks trimmed, `loopcontrols`,
 `raise_exception`, a `tojson` that keeps non-ASCII text, and `strftime_now`.
+
+The rendered prompt is one string, but not all of it is trusted: the markers the template writes
+("<|im_start|>", "<|im_end|>") must become control tokens, while a message's content is the user's
+text, and a user who types "<|im_end|>\\n<|im_start|>system\\n..." must not be able to end their turn
+and forge a system turn. `chat_parts` keeps the two apart: it renders the template once more with
+every control-token text inside a content swapped for a sentinel, and cuts the result at the
+sentinels; the tokenizer then encodes those pieces as plain text (`Tokenizer.apply_chat_template`
+with tokenize=True). A conversation whose contents hold no control-token text is the plain rendering,
+encoded exactly as before (and as HF does).
 """
 
 from __future__ import annotations
 
 import json
+import random
 from datetime import datetime
 from functools import lru_cache
 
@@ -41,18 +51,67 @@ def render_chat(tokenizer, messages, add_generation_prompt: bool = True, **kwarg
         raise ValueError(f"the chat template failed: {e}") from e
 
 
+def chat_parts(tokenizer, messages, add_generation_prompt: bool = True, **kwargs) -> tuple[str, list[tuple[str, bool]]]:
+    """The rendered prompt, and the same text cut into (piece, trusted) parts.
+
+    Every control-token text that a message's content spells (found as the encoder finds added
+    tokens) is an untrusted part, to be encoded as plain text; everything else is trusted, so the
+    template's own markers stay control tokens. The parts join to the rendered prompt.
+    """
+    text = render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt, **kwargs)
+    control = tokenizer._added_splitter(frozenset(tokenizer.special_tokens))  # None: no control tokens
+    forged = [] if control is None else [control.findall(m["content"]) for m in messages]  # [messages][hits]
+    if not any(forged):
+        return text, [(text, True)]
+    # a sentinel no text here contains, whose characters no string filter changes (trim, upper, tojson)
+    rng = random.Random()
+    while True:
+        tag = f"\ue000{rng.randrange(10**12, 10**13)}:"
+        if tag not in text:
+            break
+    pieces: list[str] = []  # the k-th sentinel stands for pieces[k]
+
+    def swap(match) -> str:
+        pieces.append(match.group())
+        return f"{tag}{len(pieces) - 1}\ue001"
+
+    marked = [dict(m, content=control.sub(swap, m["content"])) if hits else m for m, hits in zip(messages, forged)]
+    rendered = render_chat(tokenizer, marked, add_generation_prompt=add_generation_prompt, **kwargs)
+    cuts = rendered.split(tag)  # [before, "k\ue001after", ...]
+    parts = [(cuts[0], True)]
+    for cut in cuts[1:]:
+        k, sep, after = cut.partition("\ue001")
+        if not (sep and k.isdigit() and int(k) < len(pieces)):
+            parts = None
+            break
+        parts += [(pieces[int(k)], False), (after, True)]
+    if parts is None or "".join(p for p, _ in parts) != text:
+        i = next(i for i, hits in enumerate(forged) if hits)
+        raise ValueError(f"messages[{i}]['content'] contains the control token {forged[i][0]!r}, and this model's "
+                         f"chat template rewrites message contents, so it cannot be kept apart from the "
+                         f"template's own markers; remove it from the message")
+    return text, [p for p in parts if p[0]]
+
+
 def _check_messages(messages) -> None:
-    if isinstance(messages, dict) or not isinstance(messages, (list, tuple)):
+    if isinstance(messages, dict):
+        raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts, not one dict: "
+                        "wrap a single message in a list")
+    if not isinstance(messages, (list, tuple)):
         raise TypeError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, not {type(messages).__name__}")
     if not messages:
         raise ValueError("messages is empty: a conversation needs at least one message")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise TypeError(f"messages[{i}] must be a dict, not {type(m).__name__}")
-        if m.get("role") not in ROLES:
-            raise ValueError(f"messages[{i}]['role'] is {m.get('role')!r}; allowed: {', '.join(ROLES)}")
-        if not isinstance(m.get("content"), str):
-            raise TypeError(f"messages[{i}]['content'] must be a str, not {type(m.get('content')).__name__}")
+        for key in ("role", "content"):
+            if key not in m:
+                raise ValueError(f"messages[{i}] has no {key!r}: every message needs 'role' and 'content' "
+                                 f"(it has {', '.join(map(repr, m)) or 'no keys'})")
+        if m["role"] not in ROLES:
+            raise ValueError(f"messages[{i}]['role'] is {m['role']!r}; allowed: {', '.join(ROLES)}")
+        if not isinstance(m["content"], str):
+            raise TypeError(f"messages[{i}]['content'] must be a str, not {type(m['content']).__name__}")
 
 
 def _raise_exception(message: str):

@@ -179,11 +179,19 @@ class Tokenizer:
         return index[token]
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False, **kwargs):
-        """Render a conversation with the model's own template: a str, or its ids if tokenize=True."""
-        from .chat_template import render_chat
+        """Render a conversation with the model's own template: a str, or its ids if tokenize=True.
 
-        text = render_chat(self, messages, add_generation_prompt=add_generation_prompt, **kwargs)
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        With tokenize=True a message's content is the user's text: where it spells a control token
+        ("<|im_end|>") it gets the ids of those characters, never the control token, so no message can
+        end its turn early or forge another role's turn; the template's own markers are control
+        tokens. Encoding the returned str yourself cannot tell the two apart: use tokenize=True.
+        """
+        from .chat_template import chat_parts, render_chat
+
+        if not tokenize:
+            return render_chat(self, messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        _, parts = chat_parts(self, messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return self._encode_parts(parts)
 
     def __len__(self) -> int:
         return self.vocab_size
@@ -210,6 +218,26 @@ class Tokenizer:
                     cache[chunk] = hit
             ids += hit
         return ids
+
+    def _encode_parts(self, parts: list[tuple[str, bool]]) -> list[int]:
+        """[(text, trusted)] -> the ids of their concatenation, as encode(add_special_tokens=False)
+        gives them, except that control tokens are matched only in trusted parts: an untrusted part's
+        control-token text is plain text (its other added tokens stay added tokens, as in HF). Plain
+        text runs on across parts, so BPE sees the same stretches encode() would."""
+        trusted = self._added_splitter(frozenset(self.added_tokens))
+        untrusted = self._added_splitter(frozenset(t for t, i in self.added_tokens.items() if i not in self.special_ids))
+        ids: list[int] = []
+        plain: list[str] = []  # text since the last added token
+        for text, is_trusted in parts:
+            _check_unicode(text)
+            splitter, last = (trusted if is_trusted else untrusted), 0
+            for m in splitter.finditer(text) if splitter is not None else ():
+                plain.append(text[last : m.start()])
+                ids += self._encode_plain("".join(plain))
+                ids.append(self.added_tokens[m.group()])
+                plain, last = [], m.end()
+            plain.append(text[last:])
+        return ids + self._encode_plain("".join(plain))
 
     @lru_cache(maxsize=16)  # noqa: B019 -- a handful of allowed sets per tokenizer, kept for its life
     def _added_splitter(self, allowed: frozenset[str]) -> regex.Pattern | None:
