@@ -1,8 +1,16 @@
-"""The `minillm` command."""
+"""The `minillm` command.
+
+Ending: a bad argument or model is one line on stderr and exit 2. `minillm chat` ends on an empty
+line, at the end of its input (Ctrl-D, or stdin closed) and on Ctrl-C, each with exit 0; a line that
+is not valid UTF-8 is skipped with a note on stderr. Ctrl-C in the other commands exits 130. When the
+reader of stdout goes away (`minillm chat | head`), the command stops silently with exit 141, as a C
+tool killed by SIGPIPE does. None of these prints a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -12,9 +20,12 @@ def _tokenize(args) -> int:
     tok = load_tokenizer(args.model)
     text = args.text
     if args.chat:
-        text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        messages = [{"role": "user", "content": text}]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
         print(f"chat prompt ({tok.name}'s template):\n{text}")
-    ids = tok.encode(text)
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)  # content as plain text
+    else:
+        ids = tok.encode(text)
     print(f"{len(ids)} tokens ({len(text.encode())} bytes, {len(text.encode()) / max(1, len(ids)):.2f} bytes/token)")
     if not args.ids_only:
         print(f"{'id':>7}  {'vocab entry':<20} text")
@@ -41,7 +52,12 @@ def _load(args):
     return LLM(args.model, dtype=args.dtype, device=args.device, cuda_graph_max_batch=1, cuda_graph_max_tokens=0)
 
 
-def _stream(llm, prompt: str, params) -> str:
+def _chat_ids(llm, messages) -> dict:
+    """The conversation as token ids, its contents as plain text: a user typing "<|im_end|>" stays a user."""
+    return {"prompt_token_ids": llm.tokenizer.apply_chat_template(messages, tokenize=True)}
+
+
+def _stream(llm, prompt, params) -> str:
     import time
 
     start, text = time.perf_counter(), ""
@@ -60,27 +76,47 @@ def _generate(args) -> int:
     llm = _load(args)
     prompt = args.prompt
     if not args.raw and llm.tokenizer.chat_template:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = _chat_ids(llm, [{"role": "user", "content": prompt}])
     _stream(llm, prompt, _sampling(args))
     return 0
 
 
 def _chat(args) -> int:
+    if sys.stdin is None:  # started with stdin closed (`minillm chat <&-`): nothing to read
+        print("minillm chat: stdin is closed, nothing to read", file=sys.stderr)
+        return 0
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not text arrive as lone surrogates, checked below
+        sys.stdin.reconfigure(errors="surrogateescape")
     llm = _load(args)
     params, messages = _sampling(args), []
-    print(f"chatting with {llm.config.name} on {llm.device} (an empty line or Ctrl-D ends)", file=sys.stderr)
-    while True:
-        try:
-            line = input("you> ")
-        except EOFError:
-            break
-        if not line.strip():
-            break
-        messages.append({"role": "user", "content": line})
-        print("assistant> ", end="", flush=True)
-        reply = _stream(llm, llm.tokenizer.apply_chat_template(messages), params)
-        messages.append({"role": "assistant", "content": reply})
+    print(f"chatting with {llm.config.name} on {llm.device} (an empty line, Ctrl-D or Ctrl-C ends)", file=sys.stderr)
+    try:
+        while True:
+            try:
+                line = input("you> ")
+            except EOFError:
+                print()  # end the "you> " line
+                break
+            if not _is_text(line):
+                print("minillm chat: that line is not valid UTF-8 text; skipped it, type it again", file=sys.stderr)
+                continue
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line})
+            print("assistant> ", end="", flush=True)
+            reply = _stream(llm, _chat_ids(llm, messages), params)
+            messages.append({"role": "assistant", "content": reply})
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
     return 0
+
+
+def _is_text(line: str) -> bool:
+    try:
+        line.encode("utf-8")  # a lone surrogate (an undecodable byte, kept by surrogateescape) fails
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _labs(args) -> int:
@@ -152,3 +188,20 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"minillm: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the chat loop, or in another command
+        print(file=sys.stderr)
+        return 0 if args.fn is _chat else 130
+    except BrokenPipeError:  # the reader of stdout went away: stop quietly
+        _silence_stdout()
+        return 141
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the flush at exit does not raise BrokenPipeError again."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a test's capture): nothing to flush
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
