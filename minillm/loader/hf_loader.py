@@ -10,32 +10,58 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 
 from ..config import ModelConfig
 
+# config.json fields that are sizes or counts: an int, or absent/null where the config allows it
+_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings",
+               "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+
 
 def read_config(folder: Path) -> ModelConfig:
+    """config.json (and generation_config.json, when there is one) -> ModelConfig; every error names
+    the file and the field."""
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
+    cfg = _read_json_object(cfg_path)
+    gen_path = folder / "generation_config.json"
+    gen = _read_json_object(gen_path) if gen_path.is_file() else None
+    for key in _INT_FIELDS:
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{cfg_path}: {key} must be an int, not {type(value).__name__} ({value!r})")
+    for key in _FLOAT_FIELDS:
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{cfg_path}: {key} must be a number, not {type(value).__name__} ({value!r})")
     try:
-        cfg = json.loads(cfg_path.read_text())
-        gen_path = folder / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path.parent}: a config file is not valid JSON ({e})") from e
-    return ModelConfig.from_hf(cfg, gen, name=folder.name)
+        return ModelConfig.from_hf(cfg, gen, name=folder.name)
+    except KeyError as e:
+        raise ValueError(f"{cfg_path}: the field {e.args[0]!r} is missing, and the model cannot be built without it") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{cfg_path}: {e}") from e
 
 
 def weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [folder / s for s in shards]
-        missing = [f.name for f in files if not f.is_file()]
+        weight_map = _read_json_object(index).get("weight_map")
+        if weight_map is None:
+            raise ValueError(f"{index} has no 'weight_map' (tensor name -> shard file): a corrupt shard index")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: 'weight_map' must be a non-empty object of tensor name -> shard file name, "
+                             f"not {type(weight_map).__name__} ({str(weight_map)[:80]})")
+        for name, shard in weight_map.items():
+            _check_shard_name(index, name, shard)
+        files = [folder / s for s in sorted(set(weight_map.values()))]
+        missing = [str(f.relative_to(folder)) for f in files if not f.is_file()]
         if missing:
             raise FileNotFoundError(f"{folder}: shards named in the index are missing: {missing}")
         return files
@@ -48,12 +74,51 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def iter_weights(folder: Path, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint once. A name found in two shard files is an error before any is
+    read: which copy is the weight would depend on the order of the files."""
     from safetensors import SafetensorError, safe_open
 
-    for path in weight_files(folder):
+    files = weight_files(folder)
+    where: dict[str, Path] = {}  # tensor name -> the shard that holds it (headers only)
+    for path in files:
+        for name in _shard_keys(path, safe_open, SafetensorError):
+            if name in where:
+                raise ValueError(f"{folder}: tensor {name!r} is in two shards, {where[name].name} and {path.name}; "
+                                 f"a checkpoint must hold each tensor once")
+            where[name] = path
+    for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name).to(device=device, dtype=dtype)
         except SafetensorError as e:
             raise ValueError(f"{path} is not a readable safetensors file ({e})") from e
+
+
+def _shard_keys(path: Path, safe_open, error) -> list[str]:
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return list(f.keys())
+    except error as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e})") from e
+
+
+def _read_json_object(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object ({{...}}), not a JSON {type(data).__name__}")
+    return data
+
+
+def _check_shard_name(index: Path, name, shard) -> None:
+    """A shard is a file inside the model folder: a relative name that never climbs out of it (an index
+    naming "../x" or "/etc/x" would make the loader read files the folder's owner did not give)."""
+    if not isinstance(shard, str) or not shard:
+        raise ValueError(f"{index}: weight_map[{name!r}] must be a shard file name, not {shard!r}")
+    posix, windows = PurePosixPath(shard), PureWindowsPath(shard)
+    if posix.is_absolute() or windows.drive or windows.root or "\\" in shard or ".." in posix.parts:
+        raise ValueError(f"{index}: weight_map[{name!r}] is {shard!r}, outside the model folder; shard names must be "
+                         f"relative file names inside it")
