@@ -12,32 +12,16 @@ Both paths give the same tokens: tests/test_kv_cache.py holds them to it.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 
 import torch
 
 from .cache import KVCache
 from .layers import AttentionMetadata
-from .outputs import Logprob
 from .sampling import Sampler, SamplingMetadata, SamplingParams
-from .sequence import Sequence
+from .sequence import Sequence, append_tokens, make_sequences, sequence_seed
 
-_GOLDEN = 0x9E3779B97F4A7C15
-
-
-def sequence_seed(seed: int, index: int) -> int:
-    """The seed of completion `index` of a request whose seed is `seed` (completion 0 keeps it)."""
-    return (seed + index * _GOLDEN) % (1 << 63)
-
-
-def make_sequences(prompt_ids: list[int], params: SamplingParams, tokenizer, eos_ids: list[int],
-                   max_len: int) -> list[Sequence]:
-    """The n sequences of one request, each with its own seed (an unseeded request draws a fresh one)."""
-    base = random.SystemRandom().randrange(1 << 62) if params.seed is None else params.seed
-    return [Sequence(i, prompt_ids, params, sequence_seed(base, i), tokenizer, eos_ids, max_len)
-            for i in range(params.n)]
-
+__all__ = ["append_tokens", "generate_sequences", "make_sequences", "prepare_inputs", "sequence_seed"]
 
 @torch.inference_mode()
 def generate_sequences(model, tokenizer, prompt_ids: list[int], params: SamplingParams, eos_ids: list[int],
@@ -51,7 +35,7 @@ def generate_sequences(model, tokenizer, prompt_ids: list[int], params: Sampling
     if use_kv_cache:  # one slot per sequence, each long enough for the longest it may grow
         ctx = config.max_position_embeddings
         max_len = min(len(prompt_ids) + (params.max_tokens or ctx), ctx)
-        cache = KVCache.for_model(config, params.n, max_len, param.dtype, param.device)
+        cache = KVCache.for_model(model, params.n, max_len)
         cache.bind(model)
     slots = [cache.allocate() if cache is not None else -1 for _ in seqs]
     num_computed = [0] * len(seqs)  # tokens of each sequence whose K/V are in the cache
@@ -99,20 +83,3 @@ def prepare_inputs(seqs: list[Sequence], slots: list[int], num_computed: list[in
         meta.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)  # [num_seqs]
         meta.block_table = torch.tensor(slots, dtype=torch.int32, device=device)[:, None]  # [num_seqs, 1]
     return input_ids, positions, meta
-
-
-def append_tokens(active: list[Sequence], out, tokenizer) -> None:
-    ids = out.token_ids.tolist()
-    if out.logprobs is None:
-        for s, t in zip(active, ids):
-            s.append(t)
-        return
-    lps, ranks = out.logprobs.tolist(), out.ranks.tolist()
-    tops = (out.top_ids.tolist(), out.top_logprobs.tolist()) if out.top_ids is not None else None
-    for row, (s, t) in enumerate(zip(active, ids)):
-        entry = {t: Logprob(lps[row], ranks[row], tokenizer.decode([t]))}
-        if tops is not None:
-            k = s.params.logprobs or 0
-            for rank, (tid, lp) in enumerate(zip(tops[0][row][:k], tops[1][row][:k]), start=1):
-                entry.setdefault(tid, Logprob(lp, rank, tokenizer.decode([tid])))
-        s.append(t, lps[row], entry)

@@ -103,14 +103,21 @@ class LLM:
     def _run_engine(self, requests, use_tqdm: bool) -> list[RequestOutput]:
         """Hand every request to the engine at once and step it until all are done."""
         engine, order, done = self.engine, [], {}
-        for prompt, ids, params in requests:
-            rid = str(next(self._ids))
-            engine.add_request(rid, {"prompt_token_ids": ids}, params)
-            order.append((rid, prompt))
+        # Every request is checked before any is queued: a refusal of the tenth leaves no other nine
+        # behind in the engine.
+        for i, (_, ids, params) in enumerate(requests):
+            engine.check_request(f"prompts[{i}]", {"prompt_token_ids": ids}, params)
         try:
+            for prompt, ids, params in requests:
+                rid = str(next(self._ids))
+                engine.add_request(rid, {"prompt_token_ids": ids}, params)
+                order.append((rid, prompt))
             with tqdm(total=len(order), desc="generating", disable=not use_tqdm or len(order) < 2) as bar:
                 while len(done) < len(order):
                     for out in engine.step(unfinished_outputs=False):
+                        if out.error is not None:  # the engine ended it; the others are aborted below
+                            i = next(i for i, (rid, _) in enumerate(order) if rid == out.request_id)
+                            raise RuntimeError(f"prompts[{i}] failed in the engine: {out.error}")
                         if out.finished:
                             done[out.request_id] = out
                             bar.update(1)

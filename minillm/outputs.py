@@ -19,7 +19,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None  # one dict per generated token
-    finish_reason: str | None = None  # "stop" (EOS, stop string or stop token) or "length"
+    finish_reason: str | None = None  # "stop" (EOS, stop string or stop token), "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it, if any
 
     def finished(self) -> bool:
@@ -34,3 +34,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     metrics: object | None = None  # the engine's RequestMetrics: arrival, first token, finish times
+    error: str | None = None  # why the engine ended this request early (finish_reason "error")

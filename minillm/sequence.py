@@ -14,10 +14,13 @@ A stop string can straddle tokens ("Hel" + "lo."); checking the text, not the to
 from __future__ import annotations
 
 import enum
+import random
 
 from .outputs import CompletionOutput, Logprob
 from .sampling import SamplingParams
 from .tokenizer import IncrementalDetokenizer
+
+_GOLDEN = 0x9E3779B97F4A7C15
 
 
 class SequenceStatus(enum.Enum):
@@ -113,3 +116,35 @@ class Sequence:
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
             logprobs=self.logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
         )
+
+
+def sequence_seed(seed: int, index: int) -> int:
+    """The seed of completion `index` of a request whose seed is `seed` (completion 0 keeps it)."""
+    return (seed + index * _GOLDEN) % (1 << 63)
+
+
+def make_sequences(prompt_ids: list[int], params: SamplingParams, tokenizer, eos_ids: list[int],
+                   max_len: int) -> list[Sequence]:
+    """The n sequences of one request, each with its own seed (an unseeded request draws a fresh one)."""
+    base = random.SystemRandom().randrange(1 << 62) if params.seed is None else params.seed
+    return [Sequence(i, prompt_ids, params, sequence_seed(base, i), tokenizer, eos_ids, max_len)
+            for i in range(params.n)]
+
+
+def append_tokens(seqs: list[Sequence], out, tokenizer) -> None:
+    """Append one sampled token to each sequence (row i of the Sampler's output to seqs[i]), with its
+    logprob entry when the request asked for logprobs: the chosen token and the top-k, decoded."""
+    ids = out.token_ids.tolist()
+    if out.logprobs is None:
+        for s, t in zip(seqs, ids):
+            s.append(t)
+        return
+    lps, ranks = out.logprobs.tolist(), out.ranks.tolist()
+    tops = (out.top_ids.tolist(), out.top_logprobs.tolist()) if out.top_ids is not None else None
+    for row, (s, t) in enumerate(zip(seqs, ids)):
+        entry = {t: Logprob(lps[row], ranks[row], tokenizer.decode([t]))}
+        if tops is not None:
+            k = s.params.logprobs or 0
+            for rank, (tid, lp) in enumerate(zip(tops[0][row][:k], tops[1][row][:k]), start=1):
+                entry.setdefault(tid, Logprob(lp, rank, tokenizer.decode([tid])))
+        s.append(t, lps[row], entry)

@@ -15,9 +15,9 @@ import os
 import pytest
 import torch
 
-from minillm.cache import store_kv as dispatched_store_kv
 from minillm.kernels import store_kv as store_kv_module
 from minillm.kernels.store_kv import store_kv, store_kv_ref
+from minillm.layers.attention import store_kv as dispatched_store_kv
 from minillm.layers.backend import kernel_mode
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

@@ -15,7 +15,7 @@ import torch
 from tiny_models import random_model
 
 from minillm import LLM, SamplingParams
-from minillm.cache import KVCache
+from minillm.cache import KVCache, KVCacheSpec
 from minillm.config import ModelConfig
 from minillm.generation import prepare_inputs
 from minillm.kv_memory import kv_bytes_per_token
@@ -97,7 +97,7 @@ def test_cache_memory_is_chapter_00_formula():
 
 
 def test_slots_and_errors():
-    cache = KVCache(1, 1, 8, num_slots=2, max_len=4, dtype=torch.float32, device="cpu")
+    cache = KVCache([KVCacheSpec(1, 8, torch.float32)], num_slots=2, max_len=4, device="cpu")
     a, b = cache.allocate(), cache.allocate()
     assert {a, b} == {0, 1} and cache.num_free_slots == 0
     with pytest.raises(RuntimeError, match="no free slot"):
@@ -109,7 +109,7 @@ def test_slots_and_errors():
     with pytest.raises(ValueError, match="max_len 4"):
         cache.slot_mapping(b, 2, 5)
     with pytest.raises(ValueError, match="num_slots"):
-        KVCache(1, 1, 8, num_slots=0, max_len=4, dtype=torch.float32, device="cpu")
+        KVCache([KVCacheSpec(1, 8, torch.float32)], num_slots=0, max_len=4, device="cpu")
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])

@@ -7,7 +7,8 @@ depend only on the tokens before it). Keeping them turns each step into one toke
     prefill: run the P prompt tokens, write their K, V into the cache, predict token P+1
     decode:  run one token, append its K, V, attend over the P+t cached keys, predict the next
 
-Layout, per layer, for K and for V (vLLM's cache shape with a block as long as the whole sequence):
+Layout, per layer, for K and for V (vLLM's cache shape with a block as long as the whole sequence;
+the heads and sizes are what the model's layers state, `cache/spec.py`):
 
     k_cache[layer]: [num_slots, max_len, num_kv_heads, head_dim]
 
@@ -22,46 +23,64 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ModelConfig
-from ..kernels import store_kv as store_kv_kernels  # kernels/store_kv.py: the kernel and its reference
-from ..kv_memory import kv_bytes_per_token
+from ..checks import check_int
+from .spec import KVCacheSpec, bind_caches, bytes_per_token, kv_cache_spec, unbind_caches
 
 
 class CacheSizes:
-    """Chapter 00's formula, now as real allocations (for any cache with k_caches/v_caches lists)."""
+    """Chapter 00's formula, now as real allocations (for any cache with specs and k/v_caches lists)."""
+
+    specs: list[KVCacheSpec]
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return int(kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, itemsize))
+        """2 (K and V) x layers x kv_heads x head_dim x bytes per element, as the spec has it per layer."""
+        return bytes_per_token(self.specs)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k_caches + self.v_caches)
+        return sum(t.numel() * t.element_size() for t in self.k_caches + self.v_caches if t is not None)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.specs)
+
+    def bind(self, model: torch.nn.Module) -> None:
+        """Give each attention layer its (k_cache, v_cache) pair, in layer order."""
+        bind_caches(model, self.k_caches, self.v_caches)
+
+    def unbind(self, model: torch.nn.Module) -> None:
+        unbind_caches(model, self.k_caches)
+
+
+def allocate(specs: list[KVCacheSpec], rows: tuple[int, int], device, pin_memory: bool = False):
+    """K (and V) tensors of [rows[0], rows[1], heads, head_size] per layer, zeroed; V None where the
+    layer has no separate V."""
+    def one(s: KVCacheSpec) -> torch.Tensor:
+        return torch.zeros((*rows, s.num_kv_heads, s.head_size), dtype=s.dtype, device=device, pin_memory=pin_memory)
+
+    return [one(s) for s in specs], [one(s) if s.has_v else None for s in specs]
 
 
 class KVCache(CacheSizes):
     """Contiguous per-sequence K/V storage for every layer of one model."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device | str):
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                            ("num_slots", num_slots), ("max_len", max_len)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"KVCache {name} must be a positive int, not {value!r}")
-        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.num_slots, self.max_len, self.dtype = num_slots, max_len, dtype
-        shape = (num_slots, max_len, num_kv_heads, head_dim)
-        # torch.empty: the memory is reserved now; what is in it does not matter until written.
-        self.k_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    def __init__(self, specs: list[KVCacheSpec], num_slots: int, max_len: int, device: torch.device | str):
+        check_int("num_slots", num_slots, prefix="KVCache ")
+        check_int("max_len", max_len, prefix="KVCache ")
+        if not specs:
+            raise ValueError("KVCache needs the spec of at least one layer")
+        self.specs, self.num_slots, self.max_len = list(specs), num_slots, max_len
+        self.k_caches, self.v_caches = allocate(self.specs, (num_slots, max_len), device)
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
 
     @classmethod
-    def for_model(cls, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype,
-                  device: torch.device | str) -> KVCache:
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, num_slots, max_len, dtype, device)
+    def for_model(cls, model, num_slots: int, max_len: int, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None) -> KVCache:
+        """model: a built model, or its ModelConfig (then pass dtype and device)."""
+        if device is None:
+            device = next(model.parameters()).device
+        return cls(kv_cache_spec(model, dtype), num_slots, max_len, device)
 
     # ---- slots -----------------------------------------------------------------------------------
 
@@ -85,52 +104,3 @@ class KVCache(CacheSizes):
             raise ValueError(f"positions [{start}, {end}) do not fit a cache of max_len {self.max_len}")
         base = slot * self.max_len
         return list(range(base + start, base + end))
-
-    # ---- wiring into a model ---------------------------------------------------------------------
-
-    def bind(self, model: torch.nn.Module) -> None:
-        """Give each attention layer its (k_cache, v_cache) pair, in layer order."""
-        bind_caches(model, self.k_caches, self.v_caches)
-
-    def unbind(self, model: torch.nn.Module) -> None:
-        unbind_caches(model, self.k_caches)
-
-
-def attention_layers(model: torch.nn.Module) -> list:
-    from ..layers import Attention
-
-    return [m for m in model.modules() if isinstance(m, Attention)]
-
-
-def bind_caches(model: torch.nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
-    layers = attention_layers(model)
-    if len(layers) != len(k_caches):
-        raise ValueError(f"the model has {len(layers)} attention layers, the cache {len(k_caches)}")
-    for layer, k, v in zip(layers, k_caches, v_caches):
-        layer.kv_cache = (k, v)
-
-
-def unbind_caches(model: torch.nn.Module, k_caches: list[torch.Tensor]) -> None:
-    """Detach these caches from the model (and only these: another cache may be bound by now)."""
-    for layer in attention_layers(model):
-        if layer.kv_cache is not None and any(layer.kv_cache[0] is k for k in k_caches):
-            layer.kv_cache = None
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write the new tokens' K and V into their cache rows (vLLM: reshape_and_cache).
-
-    k, v: [T, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
-    slot_mapping: [T] flat row of each token (block * block_size + offset), int64 or int32. A slot < 0
-    (vLLM's PAD_SLOT_ID = -1, a padding token of a CUDA-graph batch) writes nothing.
-
-    On a GPU this is one Triton launch (`minillm.kernels.store_kv`, CUDA-graph capturable); elsewhere,
-    or with MINILLM_KERNELS=torch, its PyTorch reference: index_copy_ into the caches viewed flat.
-    """
-    # Imported here: minillm.layers imports this module (attention calls store_kv), so a module-level
-    # import of minillm.layers.backend would be circular.
-    from ..layers.backend import use_triton
-
-    store = store_kv_kernels.store_kv if use_triton(k) else store_kv_kernels.store_kv_ref
-    store(k, v, k_cache, v_cache, slot_mapping)

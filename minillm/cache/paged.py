@@ -6,7 +6,8 @@ KV memory wasted that way in earlier systems). Paging cuts the cache into blocks
 tokens, hands them out one at a time as a sequence grows, and finds them again through the
 sequence's block table, exactly as an OS finds pages through a page table:
 
-    k_caches[layer]: [num_blocks, block_size, num_kv_heads, head_dim]       (and v_caches)
+    k_caches[layer]: [num_blocks, block_size, num_kv_heads, head_dim]       (and v_caches; the heads
+                                                                              and sizes per layer: its spec)
     token at position p of a sequence whose block table is bt  ->  row bt[p // block_size] * block_size
                                                                        + p % block_size  (its slot)
 
@@ -22,53 +23,41 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ModelConfig
-from ..kv_memory import kv_bytes_per_token
-from .kv_cache import CacheSizes, bind_caches, unbind_caches
+from ..checks import check_float, check_int
+from .kv_cache import CacheSizes, allocate
+from .spec import KVCacheSpec, bytes_per_token
 
 
 class PagedKVCache(CacheSizes):
-    """GPU (and optional CPU) block pools for every attention layer of one model."""
+    """GPU (and optional CPU) block pools for every attention layer of one model, shaped by its spec."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str, num_cpu_blocks: int = 0):
-        for name, value, low in (("num_layers", num_layers, 1), ("num_kv_heads", num_kv_heads, 1),
-                                 ("head_dim", head_dim, 1), ("num_blocks", num_blocks, 2),
-                                 ("block_size", block_size, 1), ("num_cpu_blocks", num_cpu_blocks, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"PagedKVCache {name} must be an int >= {low}, not {value!r}")
-        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
-        self.dtype, self.device = dtype, torch.device(device)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        cpu_shape = (num_cpu_blocks, *shape[1:])
-        pin = self.device.type == "cuda"  # pinned host memory: copies run at full PCIe speed, async
-        self.k_cpu = [torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers if num_cpu_blocks else 0)]
-        self.v_cpu = [torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers if num_cpu_blocks else 0)]
-
-    @classmethod
-    def for_model(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                  device: torch.device | str, num_cpu_blocks: int = 0) -> PagedKVCache:
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, num_blocks, block_size, dtype, device,
-                   num_cpu_blocks)
+    def __init__(self, specs: list[KVCacheSpec], num_blocks: int, block_size: int, device: torch.device | str,
+                 num_cpu_blocks: int = 0):
+        check_int("num_blocks", num_blocks, 2, prefix="PagedKVCache ")
+        check_int("block_size", block_size, prefix="PagedKVCache ")
+        check_int("num_cpu_blocks", num_cpu_blocks, 0, prefix="PagedKVCache ")
+        if not specs:
+            raise ValueError("PagedKVCache needs the spec of at least one layer")
+        self.specs, self.num_blocks, self.block_size, self.num_cpu_blocks = list(specs), num_blocks, block_size, num_cpu_blocks
+        self.device = torch.device(device)
+        self.k_caches, self.v_caches = allocate(self.specs, (num_blocks, block_size), device)
+        # pinned host memory: copies run at full PCIe speed
+        cpu_specs = self.specs if num_cpu_blocks else []
+        self.k_cpu, self.v_cpu = allocate(cpu_specs, (num_cpu_blocks, block_size), "cpu", self.device.type == "cuda")
 
     # ---- sizing ----------------------------------------------------------------------------------
 
     @staticmethod
-    def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """K and V of block_size tokens in every layer: chapter 00's bytes per token x block_size."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return int(kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, itemsize)) * block_size
+    def block_bytes(specs: list[KVCacheSpec], block_size: int) -> int:
+        """What one block holds in every layer: the spec's bytes per token x block_size."""
+        return bytes_per_token(specs) * block_size
 
     @classmethod
-    def blocks_for_memory(cls, config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
+    def blocks_for_memory(cls, specs: list[KVCacheSpec], block_size: int, device: torch.device,
                           gpu_memory_utilization: float) -> int:
         """How many blocks fit in the part of the GPU's memory we may use, after what is already taken
         (weights, activations of a warm-up pass): vLLM's gpu_memory_utilization."""
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {gpu_memory_utilization!r}")
+        check_float("gpu_memory_utilization", gpu_memory_utilization, 0, 1, low_open=True)
         if device.type != "cuda":
             raise ValueError("sizing the KV cache from free memory needs a GPU; pass num_gpu_blocks on a CPU")
         torch.cuda.empty_cache()  # blocks cached by the allocator but unused are free for the pool
@@ -79,7 +68,7 @@ class PagedKVCache(CacheSizes):
         # Our share of the whole GPU, less what we already hold; never more than is actually free
         # (other processes may share the GPU: parallel test workers, a notebook).
         budget = min(int(total * gpu_memory_utilization) - mine, int(free * 0.95))
-        n = budget // cls.block_bytes(config, block_size, dtype)
+        n = budget // cls.block_bytes(specs, block_size)
         if n < 2:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} leaves no room for the KV cache "
                              f"({mine / 2**30:.1f} GiB held by this process, {free / 2**30:.1f} of "
@@ -93,17 +82,16 @@ class PagedKVCache(CacheSizes):
         if not pairs:
             return
         src, dst = self._index(pairs, self.device)
-        for caches in (self.k_caches, self.v_caches):
-            for c in caches:
-                c.index_copy_(0, dst, c.index_select(0, src))  # [n, block_size, Hkv, D] per layer
+        for c in self._tensors(self.k_caches, self.v_caches):
+            c.index_copy_(0, dst, c.index_select(0, src))  # [n, block_size, Hkv, D] per layer
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """GPU block -> CPU block, for a sequence preempted by swapping."""
-        self._swap(pairs, self.k_caches + self.v_caches, self.k_cpu + self.v_cpu)
+        self._swap(pairs, self._tensors(self.k_caches, self.v_caches), self._tensors(self.k_cpu, self.v_cpu))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """CPU block -> GPU block, when a swapped sequence comes back."""
-        self._swap(pairs, self.k_cpu + self.v_cpu, self.k_caches + self.v_caches)
+        self._swap(pairs, self._tensors(self.k_cpu, self.v_cpu), self._tensors(self.k_caches, self.v_caches))
 
     def _swap(self, pairs, sources, targets) -> None:
         if not pairs:
@@ -117,14 +105,10 @@ class PagedKVCache(CacheSizes):
             t.index_copy_(0, dst.to(t.device), rows.to(t.device))
 
     @staticmethod
+    def _tensors(ks: list, vs: list) -> list[torch.Tensor]:
+        return [t for t in ks + vs if t is not None]
+
+    @staticmethod
     def _index(pairs, device) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.tensor(pairs, dtype=torch.int64).T  # [2, n]
         return idx[0].to(device), idx[1].to(device)
-
-    # ---- wiring into a model ---------------------------------------------------------------------
-
-    def bind(self, model: torch.nn.Module) -> None:
-        bind_caches(model, self.k_caches, self.v_caches)
-
-    def unbind(self, model: torch.nn.Module) -> None:
-        unbind_caches(model, self.k_caches)

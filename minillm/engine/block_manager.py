@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 
 from .prefix_cache import PrefixCache
+from .stats import EngineStats
 
 
 def cdiv(a: int, b: int) -> int:
@@ -29,7 +30,7 @@ def cdiv(a: int, b: int) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, stats: EngineStats | None = None):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), not {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -40,7 +41,13 @@ class BlockManager:
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, for the runner
         self.free_cpu_blocks: deque[int] = deque(range(num_cpu_blocks))
         self.cpu_tables: dict[int, list[int]] = {}  # swapped-out sequences' CPU blocks
-        self.peak_used = 0
+        self.stats = stats or EngineStats()  # counts peak_used_blocks; shared with the prefix cache
+        if prefix_cache is not None:
+            prefix_cache.stats = self.stats
+
+    @property
+    def peak_used(self) -> int:
+        return self.stats.peak_used_blocks
 
     # ---- counting --------------------------------------------------------------------------------
 
@@ -106,7 +113,7 @@ class BlockManager:
             self._drop(table[i])
             table[i] = dst
         table.extend(self._new_block() for _ in range(new))
-        self.peak_used = max(self.peak_used, self.num_used_blocks)
+        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, self.num_used_blocks)
         return True
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -169,5 +176,5 @@ class BlockManager:
         table = [self._new_block() for _ in cpu]
         self.block_tables[seq_id] = table
         self.free_cpu_blocks.extend(cpu)
-        self.peak_used = max(self.peak_used, self.num_used_blocks)
+        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, self.num_used_blocks)
         return list(zip(cpu, table))

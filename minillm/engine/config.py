@@ -1,9 +1,18 @@
-"""EngineConfig: the knobs of the serving engine, with vLLM's names, checked when built."""
+"""EngineConfig: the knobs of the serving engine, with vLLM's names, checked when built; and
+ResolvedSizes: what they mean for one model, worked out once (`EngineConfig.resolve`)."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import KVCacheSpec, PagedKVCache, kv_cache_spec
+from ..checks import check_choice, check_int, is_int
+
+CPU_KV_CACHE_BYTES = 512 * 2**20  # KV pool on a CPU when num_gpu_blocks is not given
+MAX_SWAP_SPACE_GIB = 1 << 20  # a sanity bound (1 PiB): anything above is a typo, and inf cannot be sized
 
 
 @dataclass
@@ -29,23 +38,21 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_batch"):
-            positive_int(name, getattr(self, name))
-        for name in ("num_gpu_blocks", "max_model_len"):
-            if getattr(self, name) is not None:
-                positive_int(name, getattr(self, name))
-        if self.cuda_graph_max_tokens is not None and (not isinstance(self.cuda_graph_max_tokens, int) or isinstance(
-                self.cuda_graph_max_tokens, bool) or self.cuda_graph_max_tokens < 0):
-            raise ValueError(f"cuda_graph_max_tokens must be None or an int >= 0, not {self.cuda_graph_max_tokens!r}")
-        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
+            check_int(name, getattr(self, name))
+        check_int("max_model_len", self.max_model_len, optional=True)
+        check_int("cuda_graph_max_tokens", self.cuda_graph_max_tokens, 0, optional=True)
+        if self.num_gpu_blocks is not None and is_int(self.num_gpu_blocks) and self.num_gpu_blocks == 1:
             raise ValueError(f"num_gpu_blocks must be >= 2 (block 0 is reserved), not {self.num_gpu_blocks}")
-        if self.num_cpu_blocks is not None and (not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0):
-            raise ValueError(f"num_cpu_blocks must be None or an int >= 0, not {self.num_cpu_blocks!r}")
-        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+        check_int("num_gpu_blocks", self.num_gpu_blocks, optional=True)
+        check_int("num_cpu_blocks", self.num_cpu_blocks, 0, optional=True)
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or isinstance(self.gpu_memory_utilization, bool) \
+                or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization!r}")
-        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
-            raise ValueError(f"swap_space must be a number of GiB >= 0, not {self.swap_space!r}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', not {self.preemption_mode!r}")
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) \
+                or not 0 <= self.swap_space <= MAX_SWAP_SPACE_GIB:
+            raise ValueError(f"swap_space must be a number of GiB in [0, {MAX_SWAP_SPACE_GIB}], "
+                             f"not {self.swap_space!r}")
+        check_choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
         if self.enable_prefix_caching is True:
             self.enable_prefix_caching = "hash"
         elif self.enable_prefix_caching is False:
@@ -56,7 +63,33 @@ class EngineConfig:
         if not isinstance(self.enforce_eager, bool):
             raise TypeError(f"enforce_eager must be True or False, not {self.enforce_eager!r}")
 
+    def resolve(self, model) -> ResolvedSizes:
+        """The sizes this config means for this model, worked out once: the context, the KV pool on the
+        GPU (num_gpu_blocks, or what gpu_memory_utilization leaves, or a fixed budget on a CPU) and the
+        CPU blocks for swapping. The engine, its runner and (chapter 09) a draft model read them here."""
+        mc = model.config
+        param = next(model.parameters())
+        specs = kv_cache_spec(model)
+        max_model_len = min(self.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        block_bytes = PagedKVCache.block_bytes(specs, self.block_size)
+        if self.num_gpu_blocks is not None:
+            num_blocks = self.num_gpu_blocks
+        elif param.device.type == "cuda":
+            num_blocks = PagedKVCache.blocks_for_memory(specs, self.block_size, param.device,
+                                                        self.gpu_memory_utilization)
+        else:
+            num_blocks = max(2, CPU_KV_CACHE_BYTES // block_bytes)
+        num_cpu = self.num_cpu_blocks
+        if num_cpu is None:  # CPU blocks only matter for swapping
+            num_cpu = int(self.swap_space * 2**30) // block_bytes if self.preemption_mode == "swap" else 0
+        return ResolvedSizes(max_model_len, num_blocks, num_cpu, block_bytes, tuple(specs), param.device)
 
-def positive_int(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, not {value!r}")
+
+@dataclass(frozen=True)
+class ResolvedSizes:
+    max_model_len: int  # tokens a sequence may reach: the config's, capped by the model's context
+    num_gpu_blocks: int  # KV blocks in the GPU pool (block 0 reserved)
+    num_cpu_blocks: int  # KV blocks in CPU memory, for preemption by swapping
+    block_bytes: int  # one block of every layer
+    kv_cache_spec: tuple[KVCacheSpec, ...]  # per layer, what the cache holds
+    device: torch.device

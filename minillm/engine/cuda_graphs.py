@@ -20,8 +20,9 @@ static buffers sized for the largest shape, and a smaller step is padded to its 
 * the attention kernel of a mixed graph is launched as if a sequence could hold all T_pad tokens
   (max_seqlen = T_pad): its programs for tiles past a sequence's end return at once.
 
-The step's logits are copied into one static [max sequences, vocab] buffer inside every graph, so
-the graphs' intermediate tensors can all share one memory pool. Padding rows hold garbage (attention
+The step's logits, at the rows its `logits_indices` name (at most one per sequence of the shape;
+a step that wants more runs eagerly), are copied into one static [max sequences, vocab] buffer
+inside every graph, so the graphs' intermediate tensors can all share one memory pool. Padding rows hold garbage (attention
 never writes them), which is harmless only because every other layer treats token rows
 independently; a layer that mixes tokens (a capacity-limited MoE router, say) would have to mask them.
 """
@@ -74,7 +75,7 @@ class StepGraphs:
         self.decode_sizes, self.buckets, self.max_num_seqs = decode_sizes, buckets, max_num_seqs
         T = max([*decode_sizes, *buckets])
         S = max([*decode_sizes, *(min(max_num_seqs, t) for t in buckets)])
-        self.tokens = torch.zeros(3, T, dtype=torch.int64, device=device)  # rows: ids, positions, slots
+        self.tokens = torch.zeros(4, T, dtype=torch.int64, device=device)  # ids, positions, slots, logits rows
         self.seqs = torch.ones(2, S + 1, dtype=torch.int32, device=device)  # rows: seq_lens, cu_seqlens
         self.table = torch.zeros(S, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.logits: torch.Tensor | None = None  # [S, vocab] fp32, made by the first capture
@@ -82,28 +83,32 @@ class StepGraphs:
         self.replays: Counter[Shape] = Counter()  # steps served per shape (captures not counted)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
-    def shape_for(self, num_tokens: int, num_seqs: int) -> Shape | None:
-        """The captured (or capturable) shape this step pads to; None: too big, run it eagerly."""
+    def shape_for(self, num_tokens: int, num_seqs: int, num_logits: int | None = None) -> Shape | None:
+        """The captured (or capturable) shape this step pads to; None: too big, or more logits rows
+        than sequences (several per sequence: chapter 09's drafts), run it eagerly."""
         if num_tokens == num_seqs:  # pure decode
             i = bisect.bisect_left(self.decode_sizes, num_seqs)
-            return Shape(self.decode_sizes[i], self.decode_sizes[i], 1) if i < len(self.decode_sizes) else None
-        i = bisect.bisect_left(self.buckets, num_tokens)
-        if i == len(self.buckets):
+            shape = Shape(self.decode_sizes[i], self.decode_sizes[i], 1) if i < len(self.decode_sizes) else None
+        else:
+            i = bisect.bisect_left(self.buckets, num_tokens)
+            t = self.buckets[i] if i < len(self.buckets) else None
+            shape = Shape(t, min(self.max_num_seqs, t), t) if t else None  # num_seqs <= max_num_seqs, <= T <= t
+        if shape is None or (num_logits or 0) > shape.seqs:
             return None
-        t = self.buckets[i]
-        return Shape(t, min(self.max_num_seqs, t), t)  # num_seqs <= max_num_seqs and <= T <= t
+        return shape
 
-    def run(self, shape: Shape, ids, pos, slots, seq_lens, table, query_lens) -> torch.Tensor:
-        """Copy one step's inputs (ModelRunner.prepare's lists; query_lens: new tokens per sequence) into
-        the buffers, padded to shape, and replay (capturing first if this shape is new); -> logits
-        [num_seqs, vocab] at each sequence's last token, valid until the next run."""
-        self._fill(shape, ids, pos, slots, seq_lens, table, query_lens)
+    def run(self, shape: Shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices) -> torch.Tensor:
+        """Copy one step's inputs (ModelRunner.prepare's lists; query_lens: new tokens per sequence;
+        logits_indices: the token rows that want logits) into the buffers, padded to shape, and replay
+        (capturing first if this shape is new); -> logits [len(logits_indices), vocab], valid until the
+        next run."""
+        self._fill(shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices)
         step = self.steps.get(shape) or self._capture(shape)
         step()
         self.replays[shape] += 1
-        return self.logits[: len(seq_lens)]
+        return self.logits[: len(logits_indices)]
 
-    def _fill(self, shape: Shape, ids, pos, slots, seq_lens, table, query_lens) -> None:
+    def _fill(self, shape: Shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices) -> None:
         T, S = len(ids), len(seq_lens)
         tp, sp = shape.tokens, shape.seqs
         cu = [0]
@@ -112,7 +117,8 @@ class StepGraphs:
         # padding: decode rows have one token each (cu keeps counting); mixed ones have none (cu stays T)
         cu += range(T + 1, T + 1 + sp - S) if shape.max_seqlen == 1 else [T] * (sp - S)
         pad_t = tp - T
-        host_tokens = torch.tensor([ids + [0] * pad_t, pos + [0] * pad_t, slots + [-1] * pad_t])  # [3, tp]
+        rows = logits_indices + [0] * (tp - len(logits_indices))  # padding rows read token 0, never used
+        host_tokens = torch.tensor([ids + [0] * pad_t, pos + [0] * pad_t, slots + [-1] * pad_t, rows])  # [4, tp]
         host_seqs = torch.tensor([seq_lens + [1] * (sp - S + 1), cu], dtype=torch.int32)  # [2, sp + 1]
         width = len(table[0])
         host_table = torch.tensor(table + [[0] * width] * (sp - S), dtype=torch.int32)  # [sp, width]
@@ -122,14 +128,14 @@ class StepGraphs:
 
     def _capture(self, shape: Shape) -> Callable[[], None]:
         T, S = shape.tokens, shape.seqs
-        ids, pos, slots = self.tokens[0, :T], self.tokens[1, :T], self.tokens[2, :T]
+        ids, pos, slots, rows = self.tokens[0, :T], self.tokens[1, :T], self.tokens[2, :T], self.tokens[3, :S]
         seq_lens, cu = self.seqs[0, :S], self.seqs[1, : S + 1]
         meta = AttentionMetadata(cu_seqlens=cu, max_seqlen=shape.max_seqlen, seq_lens=seq_lens,
                                  block_table=self.table[:S], slot_mapping=slots)
 
         def forward() -> torch.Tensor:
             hidden = self.model(ids, pos, meta)  # [T, hidden]
-            return self.model.compute_logits(hidden[(cu[1:] - 1).long()])  # [S, vocab] at each last token
+            return self.model.compute_logits(hidden[rows])  # [S, vocab] at the step's logits_indices
 
         # Warm-up, outside the capture: Triton compiles and autotunes here. It runs on the inputs in the
         # buffers: dummies at start-up, or the step being served (writing its K/V twice is harmless).
@@ -168,7 +174,7 @@ class StepGraphs:
 
     def _dummy(self, shape: Shape, lens: list[int]) -> None:
         t, width = sum(lens), self.table.shape[1]
-        self._fill(shape, [0] * t, [0] * t, [-1] * t, lens, [[0] * width] * len(lens), lens)
+        self._fill(shape, [0] * t, [0] * t, [-1] * t, lens, [[0] * width] * len(lens), lens, [])
         self._capture(shape)
 
     def clear(self) -> None:

@@ -5,40 +5,49 @@
         for out in engine.step():          # one scheduler step: every running sequence advances
             print(out.request_id, out.outputs[0].text, out.finished)
 
-One step = Scheduler.schedule (who runs, how many tokens, which blocks move) -> ModelRunner
-(block copies, the forward pass, logits at each sequence whose computed tokens reach its end) ->
-the Sampler (one token per sequence, each with its own parameters and seed) -> stop checks ->
-finished sequences leave and free their blocks at once.
+One step is five stages, each a method below:
+
+    schedule  Scheduler.schedule: who runs, how many tokens each, which blocks move
+    execute   ModelRunner: block copies, the forward pass, logits at the rows in logits_indices
+              (the last token of each sequence whose computed tokens reach its end)
+    advance   bookkeeping: computed tokens, full blocks named for the prefix cache, forks joined
+    sample    the Sampler: one token per sequence, each with its own parameters and seed; stop checks
+    outputs   finished sequences leave and free their blocks; RequestOutputs for the caller
 
 A request with n > 1 prefills its prompt once: its first sequence runs alone until the prompt is
 computed, then the other n - 1 fork its blocks (BlockManager.fork) and sample their first token
 from the same logits, each with its own seed. A request that can never fit (its prompt plus
 max_tokens beyond the context or the whole block pool) is refused in add_request; everything else
-is served, under memory pressure by preemption.
+is served, under memory pressure by preemption. A step that fails (the model raises, or one
+request's sampling does) ends only the requests it concerns, with finish_reason "error", and the
+engine goes on serving the others.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from ..cache.paged import PagedKVCache
-from ..generation import append_tokens, make_sequences
+from ..checks import check_int
 from ..inputs import check_length, prompt_ids
 from ..outputs import RequestOutput
 from ..sampling import Sampler, SamplingMetadata, SamplingParams
-from ..sequence import Sequence
+from ..sequence import Sequence, append_tokens, make_sequences
 from .block_manager import BlockManager
-from .config import EngineConfig, positive_int
+from .config import EngineConfig
 from .model_runner import ModelRunner
 from .prefix_cache import make_prefix_cache
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
+from .stats import EngineStats
 
-CPU_KV_CACHE_BYTES = 512 * 2**20  # KV pool on a CPU when num_gpu_blocks is not given
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,7 +59,7 @@ class RequestMetrics:
     token_times: list[list[float]] = field(default_factory=list)  # per completion, when each token came
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself (hashable by identity), not equal to one like it
 class SequenceGroup:
     """One request: its prompt and its n sequences (vLLM's name)."""
 
@@ -61,6 +70,7 @@ class SequenceGroup:
     seqs: list[Sequence]
     metrics: RequestMetrics
     pending_forks: list[Sequence]  # sequences 1..n-1 until the prompt is computed
+    error: str | None = None  # why a failed step ended this request
 
     @property
     def finished(self) -> bool:
@@ -68,33 +78,29 @@ class SequenceGroup:
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, [s.to_output() for s in self.seqs],
-                             finished=self.finished, metrics=self.metrics)
+                             finished=self.finished, metrics=self.metrics, error=self.error)
 
 
 class LLMEngine:
     def __init__(self, model, tokenizer, eos_token_ids: list[int], config: EngineConfig | None = None,
                  progress: bool = True):
         self.config = config = config or EngineConfig()
-        self.model, self.tokenizer, self.eos_token_ids = model, tokenizer, list(eos_token_ids)
-        mc = model.config
-        param = next(model.parameters())
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        block_bytes = PagedKVCache.block_bytes(mc, config.block_size, param.dtype)
-        if config.num_gpu_blocks is not None:
-            num_blocks = config.num_gpu_blocks
-        elif param.device.type == "cuda":
-            num_blocks = PagedKVCache.blocks_for_memory(mc, config.block_size, param.dtype, param.device,
-                                                        config.gpu_memory_utilization)
-        else:
-            num_blocks = max(2, CPU_KV_CACHE_BYTES // block_bytes)
-        num_cpu = config.num_cpu_blocks
-        if num_cpu is None:  # CPU blocks only matter for swapping
-            num_cpu = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
-        self.cache = PagedKVCache.for_model(mc, num_blocks, config.block_size, param.dtype, param.device, num_cpu)
-        self.block_manager = BlockManager(num_blocks, config.block_size, num_cpu,
-                                          make_prefix_cache(config.enable_prefix_caching, config.block_size))
+        self.model, self.tokenizer = model, tokenizer
+        vocab = model.config.vocab_size
+        bad = [t for t in eos_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:  # a sequence could never stop on them, and banning them before min_tokens would fail
+            raise ValueError(f"eos_token_ids {bad} are not token ids of this model (0..{vocab - 1})")
+        self.eos_token_ids = list(eos_token_ids)
+        self.sizes = sizes = config.resolve(model)  # max_model_len, block counts: worked out once
+        self.max_model_len = sizes.max_model_len
+        self.engine_stats = EngineStats()  # every counter of the engine's parts, in one object
+        self.cache = PagedKVCache(list(sizes.kv_cache_spec), sizes.num_gpu_blocks, config.block_size, sizes.device,
+                                  sizes.num_cpu_blocks)
+        self.block_manager = BlockManager(sizes.num_gpu_blocks, config.block_size, sizes.num_cpu_blocks,
+                                          make_prefix_cache(config.enable_prefix_caching, config.block_size),
+                                          self.engine_stats)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(model, self.cache, config, self.max_model_len)
+        self.runner = ModelRunner(model, self.cache, config, sizes.max_model_len)
         self.runner.capture_cuda_graphs(progress)
         self.sampler = Sampler()
         self.groups: dict[str, SequenceGroup] = {}
@@ -103,8 +109,12 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0) -> None:
-        """Queue a request (prompt: str or {"prompt_token_ids": [...]}); refuse one that can never fit."""
+    def check_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                      priority: int = 0) -> tuple[str | None, list[int], SamplingParams]:
+        """Everything add_request refuses, without queueing anything: -> (text, token ids, a private
+        copy of the params, checked). LLM.generate checks a whole list before it queues any of it."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, not {type(request_id).__name__} ({request_id!r})")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
@@ -112,6 +122,10 @@ class LLMEngine:
             raise TypeError(f"priority must be an int (lower runs first), not {priority!r}")
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        # A copy, checked again: the caller may have edited the params since they were built, and may
+        # edit them again while the request runs; the engine's copy stays what was checked.
+        params = copy.deepcopy(params)
+        params.verify(self.model.config.vocab_size)
         text, ids = prompt_ids(self.tokenizer, self.model.config.vocab_size, prompt, f"request {request_id!r}")
         check_length(f"request {request_id!r}", len(ids), params, self.max_model_len)
         longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
@@ -122,6 +136,11 @@ class LLMEngine:
         if need > have:
             raise ValueError(f"request {request_id!r} may grow to {longest} tokens = {need} KV blocks, but the pool "
                              f"has {have}; lower max_tokens or give the engine more blocks")
+        return text, ids, params
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0) -> None:
+        """Queue a request (prompt: str or {"prompt_token_ids": [...]}); refuse one that can never fit."""
+        text, ids, params = self.check_request(request_id, prompt, params, priority)
         seqs = make_sequences(ids, params, self.tokenizer, self.eos_token_ids, self.max_model_len)
         group = SequenceGroup(request_id, text, ids, params, seqs, RequestMetrics(time.perf_counter()), seqs[1:])
         group.metrics.token_times = [[] for _ in seqs]
@@ -131,9 +150,15 @@ class LLMEngine:
             self._group_of[s.seq_id] = group
         self.scheduler.add(seqs[0], priority, next(self._arrivals), fanout=len(seqs))
 
-    def abort_request(self, request_id: str | list[str]) -> None:
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests and free their blocks; unknown or finished ids are ignored."""
-        for rid in [request_id] if isinstance(request_id, str) else request_id:
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        if not isinstance(ids, Iterable) or isinstance(ids, (bytes, dict)):
+            raise TypeError(f"request_id must be a str or a list of str, not {type(request_id).__name__}")
+        ids = list(ids)
+        if not all(isinstance(r, str) for r in ids):
+            raise TypeError(f"request ids are str; got {[r for r in ids if not isinstance(r, str)][:3]}")
+        for rid in ids:
             group = self.groups.pop(rid, None)
             if group is None:
                 continue
@@ -145,7 +170,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    # ---- one step --------------------------------------------------------------------------------
+    # ---- one step: schedule -> execute -> advance -> sample -> outputs ------------------------------
 
     def step(self, unfinished_outputs: bool = True) -> list[RequestOutput]:
         """Run one scheduler step; returns the requests that got new tokens (finished ones for the last
@@ -155,37 +180,97 @@ class LLMEngine:
         self.runner.swap_and_copy(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
         if sched.is_empty:
             return []
-        now = time.perf_counter()
-        # a sequence samples when this step computes its last known token (not in the middle of a prompt)
-        rows = [i for i, (s, n) in enumerate(sched.scheduled) if s.num_computed_tokens + n == s.num_tokens]
-        logits = self.runner.execute(sched.scheduled, self.block_manager.block_tables, rows)  # [len(rows), V]
-        bs = self.block_manager.block_size
+        logits_indices, samplers = self._logits_rows(sched)
+        try:
+            logits = self.runner.execute(sched.scheduled, self.block_manager.block_tables, logits_indices)
+        except Exception as e:  # the forward pass concerns every scheduled request
+            return self._fail({self._group_of[s.seq_id]: e for s, _ in sched.scheduled})
+        self._advance(sched)
+        if not samplers:  # only prompt chunks ran: their K/V are cached, nothing to sample yet
+            return []
+        seqs, logits = self._join_forks(samplers, logits)
+        failed = self._fail(self._sample(seqs, logits))
+        return failed + self._outputs([s for s in seqs if s.seq_id in self._group_of], unfinished_outputs)
+
+    def _logits_rows(self, sched: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
+        """Which rows of the step's packed tokens get logits (vLLM's logits_indices), and whose they are: a
+        sequence samples when this step computes its last known token (not in the middle of a prompt)."""
+        rows, seqs, offset = [], [], 0
+        for s, n in sched.scheduled:
+            offset += n
+            if s.num_computed_tokens + n == s.num_tokens:
+                rows.append(offset - 1)
+                seqs.append(s)
+        return rows, seqs
+
+    def _advance(self, sched: SchedulerOutput) -> None:
+        """The scheduled tokens' K/V are in the cache now: count them, and name each block they filled."""
+        now, bs, stats = time.perf_counter(), self.block_manager.block_size, self.engine_stats
+        stats.num_steps += 1
         for seq, n in sched.scheduled:
             group = self._group_of[seq.seq_id]
             group.metrics.first_scheduled_time = group.metrics.first_scheduled_time or now
             before = seq.num_computed_tokens
             seq.num_computed_tokens += n
+            stats.num_prompt_tokens += max(0, min(seq.num_computed_tokens, len(seq.prompt_ids)) - before)
             if before // bs != seq.num_computed_tokens // bs:  # a block just filled: name it for reuse
                 self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-        if not rows:  # only prompt chunks ran: their K/V are cached, nothing to sample yet
-            return []
-        seqs, take = [], []
-        for row, i in enumerate(rows):
-            seq = sched.scheduled[i][0]
+
+    def _join_forks(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """A request with n > 1 whose prompt just finished: its n - 1 forks take its blocks and sample
+        their first token from its logits row."""
+        out, take = [], []
+        for row, seq in enumerate(seqs):
             group = self._group_of[seq.seq_id]
-            if group.pending_forks and seq is group.seqs[0]:  # the prompt is done: the other n - 1 join
+            if group.pending_forks and seq is group.seqs[0]:
                 for child in group.pending_forks:
                     self.block_manager.fork(seq.seq_id, child.seq_id)
                     child.num_computed_tokens = seq.num_computed_tokens
                     self.scheduler.add_running(child, like=seq)
-                    seqs.append(child)
+                    out.append(child)
                     take.append(row)
                 group.pending_forks = []
-            seqs.append(seq)
+            out.append(seq)
             take.append(row)
         if len(take) != logits.shape[0]:
-            logits = logits[torch.tensor(take, device=logits.device)]  # [len(seqs), vocab]
-        self._sample(seqs, logits)
+            logits = logits[torch.tensor(take, device=logits.device)]  # [len(out), vocab]
+        return out, logits
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[SequenceGroup, Exception]:
+        """One token per sequence, appended (stop checks included); -> the requests whose sampling failed.
+        When the batch fails, its sequences are sampled one at a time (per-sequence seeds give the same
+        tokens whatever the batch), so only the request at fault fails."""
+        try:
+            self._sample_batch(seqs, logits)
+            return {}
+        except Exception:
+            pass
+        failed = {}
+        for i, seq in enumerate(seqs):
+            group = self._group_of[seq.seq_id]
+            if group in failed or seq.num_tokens > seq.num_computed_tokens:  # failed, or got its token already
+                continue
+            try:
+                self._sample_batch([seq], logits[i : i + 1])
+            except Exception as e:
+                failed[group] = e
+        return failed
+
+    def _sample_batch(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        params = [s.params for s in seqs]
+        banned = [s.banned_tokens() for s in seqs]
+        if all(_plain_greedy(p) for p in params) and not any(banned):  # the common case, without the setup
+            tokens = logits.argmax(dim=-1).tolist()
+            for s, t in zip(seqs, tokens):
+                s.append(t)
+        else:
+            meta = SamplingMetadata.build(params, [s.prompt_ids for s in seqs], [s.output_ids for s in seqs],
+                                          [s.seed for s in seqs], banned, logits.shape[1], logits.device)
+            append_tokens(seqs, self.sampler(logits, meta), self.tokenizer)
+        self.engine_stats.num_generation_tokens += len(seqs)
+
+    def _outputs(self, seqs: list[Sequence], unfinished_outputs: bool) -> list[RequestOutput]:
+        """Finished sequences leave the scheduler; one RequestOutput per request that got tokens."""
         now = time.perf_counter()
         touched = {}
         for seq in seqs:
@@ -206,37 +291,32 @@ class LLMEngine:
                 outputs.append(group.to_output())
         return outputs
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        params = [s.params for s in seqs]
-        banned = [s.banned_tokens() for s in seqs]
-        if all(_plain_greedy(p) for p in params) and not any(banned):  # the common case, without the setup
-            for s, t in zip(seqs, logits.argmax(dim=-1).tolist()):
-                s.append(t)
-            return
-        meta = SamplingMetadata.build(params, [s.prompt_ids for s in seqs], [s.output_ids for s in seqs],
-                                      [s.seed for s in seqs], banned, logits.shape[1], logits.device)
-        append_tokens(seqs, self.sampler(logits, meta), self.tokenizer)
+    def _fail(self, errors: dict[SequenceGroup, Exception]) -> list[RequestOutput]:
+        """End these requests with finish_reason "error" and free their blocks; the rest go on."""
+        outputs = []
+        for group, error in errors.items():
+            logger.error("request %r failed in its step", group.request_id, exc_info=error)
+            group.error = f"{type(error).__name__}: {error}"
+            for s in group.seqs:
+                s.finish_reason = s.finish_reason or "error"
+                self.scheduler.abort(s)
+                self._group_of.pop(s.seq_id, None)
+            self.groups.pop(group.request_id, None)
+            group.metrics.finished_time = time.perf_counter()
+            self.engine_stats.num_failed_requests += 1
+            outputs.append(group.to_output())
+        return outputs
 
     # ---- warm-up ---------------------------------------------------------------------------------
 
     def warm_up(self, max_prompt_len: int | None = None) -> float:
         """Run one tiny request per prompt-length bucket now, so that Triton's autotuning and compiling
-        of the prefill kernel, and the capture of the CUDA graph of each token bucket, happen here and
-        not inside the first real requests' latency (vLLM, too, runs dummy batches before it serves).
-        Returns the seconds it took.
-
-        The attention kernel tunes once per power-of-two bucket of a step's longest prompt chunk, and
-        Triton compiles apart for token counts that are and are not multiples of 16; so each bucket
-        runs its longest prompt, one token less and the longest multiple of 16 in it, up to
-        max_prompt_len (default: the token budget; longer prompts are cut into chunks of it anyway).
-        The CUDA graphs of steps with prompt tokens are captured for every token bucket up to the
-        budget, on dummy inputs (a step mixing several prompts can fill the budget whatever
-        max_prompt_len says). Tuning is kept per process, so one engine's warm-up tunes every later
-        engine over the same model shape and dtype; graphs belong to one engine.
-        Needs an idle engine; leaves it idle with its statistics as they were (the prompts' blocks
-        stay in a prefix cache, unreferenced, the first to be evicted)."""
-        if max_prompt_len is not None:
-            positive_int("max_prompt_len", max_prompt_len)
+        of the prefill kernel, and the capture of every token bucket's CUDA graph, happen here and not
+        inside the first real requests' latency (vLLM, too, runs dummy batches before it serves).
+        Returns the seconds it took. Each bucket runs its longest prompt, one token less and the longest
+        multiple of 16 in it (Triton compiles apart for those), up to max_prompt_len (default: the token
+        budget). Needs an idle engine; leaves it idle, its statistics as they were."""
+        check_int("max_prompt_len", max_prompt_len, optional=True)
         if self.has_unfinished_requests():
             raise ValueError("warm_up needs an idle engine (it has unfinished requests)")
         budget = self.config.max_num_batched_tokens
@@ -248,8 +328,7 @@ class LLMEngine:
         for k in range(4, limit.bit_length() + 1):  # bucket 2^k holds the lengths in (2^(k-1), 2^k]
             n = min(2**k, limit)
             lengths |= {m for m in (n, n - 1, n - n % 16) if m > 2 ** (k - 1)}
-        bm, pc, vocab = self.block_manager, self.block_manager.prefix_cache, self.model.config.vocab_size
-        saved = (bm.peak_used, self.scheduler.num_preemptions, pc and (pc.queries, pc.query_tokens, pc.hit_tokens))
+        vocab, saved = self.model.config.vocab_size, self.engine_stats.snapshot()
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter()
         self.runner.capture_token_buckets()  # every bucket up to the budget, whatever the prompt limit
@@ -257,9 +336,7 @@ class LLMEngine:
             self.add_request(f"warm-up-{n}", {"prompt_token_ids": [(7 * i + n) % vocab for i in range(n)]}, params)
             while self.has_unfinished_requests():
                 self.step(unfinished_outputs=False)
-        bm.peak_used, self.scheduler.num_preemptions = saved[0], saved[1]
-        if pc is not None:
-            pc.queries, pc.query_tokens, pc.hit_tokens = saved[2]
+        self.engine_stats.restore(saved)  # the prompts' blocks stay in a prefix cache, the first to be evicted
         return time.perf_counter() - t0
 
     # ---- convenience -----------------------------------------------------------------------------
@@ -278,11 +355,11 @@ class LLMEngine:
 
     @property
     def stats(self) -> dict:
-        bm, pc = self.block_manager, self.block_manager.prefix_cache
-        return {"num_blocks": bm.num_blocks, "peak_used_blocks": bm.peak_used,
-                "num_preemptions": self.scheduler.num_preemptions,
-                "prefix_hit_rate": pc.hit_rate if pc else None,
-                "prefix_hit_tokens": pc.hit_tokens if pc else 0}
+        """engine_stats as one dict, with the pool's size (what the bench and the notebooks print)."""
+        pc = self.block_manager.prefix_cache
+        d = self.engine_stats.as_dict()
+        return {"num_blocks": self.block_manager.num_blocks, **d,
+                "prefix_hit_rate": d["prefix_hit_rate"] if pc else None}
 
     def shutdown(self) -> None:
         """Detach the cache from the model and let its memory go (the pool, the CUDA graphs and their

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.kv_cache import attention_layers
 from ..cache.paged import PagedKVCache
+from ..cache.spec import cache_layers
 from ..layers import AttentionMetadata
 from ..layers.backend import get_kernel_mode
 from ..sequence import Sequence
@@ -49,7 +49,7 @@ class ModelRunner:
         max_tokens = config.cuda_graph_max_tokens
         self.token_buckets = token_buckets(config.max_num_batched_tokens if max_tokens is None else max_tokens)
         self.max_num_seqs = config.max_num_seqs
-        self._first_layer = attention_layers(model)[0]
+        self._first_layer = cache_layers(model)[0]
         cache.bind(model)
         self.graphs = self.make_graphs() if self.use_cuda_graphs else None
 
@@ -77,24 +77,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]], block_tables: dict[int, list[int]],
-                sample_rows: list[int]) -> torch.Tensor:
-        """Run one step; logits [len(sample_rows), vocab] fp32 at the last token of those sequences."""
+                logits_indices: list[int]) -> torch.Tensor:
+        """Run one step; -> logits [len(logits_indices), vocab] fp32 at those rows of the packed tokens
+        (vLLM's logits_indices: each sampling sequence's last token; chapter 09 asks for several per
+        sequence, one per draft token)."""
         if self._first_layer.kv_cache is None or self._first_layer.kv_cache[0] is not self.cache.k_caches[0]:
             self.cache.bind(self.model)  # someone else (chapter 03's one-request path) used the model meanwhile
         ids, pos, slots, seq_lens, table = self.prepare(scheduled, block_tables)
         query_lens = [n for _, n in scheduled]
         graphs = self._live_graphs()
-        shape = graphs.shape_for(len(ids), len(scheduled)) if graphs is not None else None
+        shape = graphs.shape_for(len(ids), len(scheduled), len(logits_indices)) if graphs is not None else None
         if shape is not None:
-            return graphs.run(shape, ids, pos, slots, seq_lens, table, query_lens)[sample_rows]
+            return graphs.run(shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices)
         dev = self.device
         meta = AttentionMetadata.from_seq_lens(query_lens, dev)
         meta.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)  # [B]
         meta.block_table = torch.tensor(table, dtype=torch.int32, device=dev)  # [B, W]
         meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)  # [T]
         hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta)  # [T, hidden]
-        last = meta.last_token_indices[torch.tensor(sample_rows, dtype=torch.long, device=dev)]
-        return self.model.compute_logits(hidden[last])  # [rows, vocab]
+        rows = torch.tensor(logits_indices, dtype=torch.long, device=dev)  # [rows]
+        return self.model.compute_logits(hidden[rows])  # [rows, vocab]
 
     def swap_and_copy(self, swap_out, swap_in, copies) -> None:
         """Block moves the scheduler asked for, before the step's forward pass writes anything."""

@@ -24,6 +24,8 @@ import itertools
 from array import array
 from collections import OrderedDict
 
+from .stats import EngineStats
+
 
 def block_tokens(token_ids: list[int], block_size: int, num_blocks: int) -> list[tuple[int, ...]]:
     """The token ids of each of the first num_blocks full blocks."""
@@ -35,7 +37,7 @@ class PrefixCache:
 
     def __init__(self, block_size: int):
         self.block_size = block_size
-        self.queries = self.query_tokens = self.hit_tokens = 0  # statistics, for the chapter's plots
+        self.stats = EngineStats()  # its counters; the BlockManager shares the engine's with it
 
     def match(self, token_ids: list[int], max_blocks: int) -> list[int]:
         """Blocks holding the longest cached prefix of token_ids (at most max_blocks full blocks)."""
@@ -66,14 +68,26 @@ class PrefixCache:
 
     def count(self, asked: int, hit: int) -> None:
         """Statistics of one admitted sequence: `asked` full blocks looked up, `hit` of them found."""
-        self.queries += 1
-        self.query_tokens += asked * self.block_size
-        self.hit_tokens += hit * self.block_size
+        self.stats.prefix_queries += 1
+        self.stats.prefix_query_tokens += asked * self.block_size
+        self.stats.prefix_hit_tokens += hit * self.block_size
+
+    @property
+    def queries(self) -> int:
+        return self.stats.prefix_queries
+
+    @property
+    def query_tokens(self) -> int:
+        return self.stats.prefix_query_tokens
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.stats.prefix_hit_tokens
 
     @property
     def hit_rate(self) -> float:
         """Share of the full-block tokens asked for that were found."""
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+        return self.stats.prefix_hit_rate
 
 
 class HashPrefixCache(PrefixCache):

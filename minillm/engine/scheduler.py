@@ -50,7 +50,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
-        self.num_preemptions = 0
+        self.stats = block_manager.stats  # counts num_preemptions
         self._order: dict[int, tuple] = {}  # seq_id -> (priority, arrival, seq_id)
         # seq_id -> how many sequences it becomes when its prompt is done (n > 1: the forks of parallel
         # sampling). Admission counts them against max_num_seqs up front, so the forks always fit.
@@ -159,8 +159,12 @@ class Scheduler:
             out.scheduled.append((seq, n))
             budget -= n
 
+    @property
+    def num_preemptions(self) -> int:
+        return self.stats.num_preemptions
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.num_preemptions += 1
+        self.stats.num_preemptions += 1
         out.preempted.append(seq)
         if self.config.preemption_mode == "swap" and self.bm.can_swap_out(seq.seq_id):
             out.blocks_to_swap_out += self.bm.swap_out(seq.seq_id)

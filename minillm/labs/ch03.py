@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import torch
 
-from ..cache import store_kv
 from ..generation import prepare_inputs
 from ..kernels.flash_decode import flash_decode_ref
+from ..layers.attention import store_kv
 from .checker import check
 
 

@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache.kv_cache import store_kv
+from ..cache.spec import KVCacheSpec
 from ..kernels import flash_attn, flash_decode
+from ..kernels import store_kv as _store
 from .backend import use_triton
 
 
@@ -98,7 +99,11 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
-        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by KVCache.bind
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the cache (cache/spec.py)
+
+    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+        """What this layer caches per token: a key and a value per KV head."""
+        return KVCacheSpec(self.num_kv_heads, self.head_dim, dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -138,3 +143,17 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_metadata.mask(positions, self.sliding_window),
                                                  scale=self.scale)
         return out.transpose(0, 1).reshape(q.shape[1], self.num_heads * self.head_dim)  # [T, heads * head_dim]
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write the new tokens' K and V into their cache rows (vLLM: reshape_and_cache).
+
+    k, v: [T, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
+    slot_mapping: [T] flat row of each token (block * block_size + offset), int64 or int32. A slot < 0
+    (vLLM's PAD_SLOT_ID = -1, a padding token of a CUDA-graph batch) writes nothing.
+
+    On a GPU this is one Triton launch (`minillm.kernels.store_kv`, CUDA-graph capturable); elsewhere,
+    or with MINILLM_KERNELS=torch, its PyTorch reference: index_copy_ into the caches viewed flat.
+    """
+    (_store.store_kv if use_triton(k) else _store.store_kv_ref)(k, v, k_cache, v_cache, slot_mapping)

@@ -1,0 +1,39 @@
+"""EngineStats: the engine's counters in one object, shared by the parts that count.
+
+The block manager counts the pool's peak use, the scheduler its preemptions, the prefix cache its
+lookups and hits, the engine its steps and tokens; all of them write here, so one `snapshot()` /
+`restore()` pair (LLMEngine.warm_up) puts every counter back as it was, and a reader (the bench, a
+notebook, chapter 12's /metrics) finds them in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass
+class EngineStats:
+    peak_used_blocks: int = 0  # most KV blocks in use at once
+    num_preemptions: int = 0
+    prefix_queries: int = 0  # admitted sequences that looked up the prefix cache
+    prefix_query_tokens: int = 0  # full-block prompt tokens looked up
+    prefix_hit_tokens: int = 0  # of those, found cached (not computed again)
+    num_steps: int = 0  # engine steps that ran the model
+    num_prompt_tokens: int = 0  # prompt tokens computed (a preempted prompt counts again)
+    num_generation_tokens: int = 0  # tokens sampled
+    num_failed_requests: int = 0  # requests ended by an error in their step (finish_reason "error")
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of the full-block tokens asked for that were found."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    def snapshot(self) -> EngineStats:
+        return replace(self)
+
+    def restore(self, snap: EngineStats) -> None:
+        for key, value in asdict(snap).items():
+            setattr(self, key, value)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "prefix_hit_rate": self.prefix_hit_rate}
