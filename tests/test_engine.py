@@ -253,13 +253,17 @@ def test_cuda_graphs_cover_every_batch_the_scheduler_can_form(max_num_seqs, cap)
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
                             "ignore:invalid value encountered:RuntimeWarning")
 def test_padded_steps_through_the_triton_kernels(seed, tok):
-    """The CUDA-graph path's padding through minillm's Triton kernels (the interpreter, on a CPU):
-    padding sequences with no tokens, an attention grid sized for the whole bucket, padding decode
-    rows reading block 0. Every request still gets its one-request tokens."""
+    """The CUDA-graph path's padding through minillm's Triton kernels (the interpreter on a CPU, the
+    native kernels on a GPU machine): padding sequences with no tokens, an attention grid sized for the
+    whole bucket, padding decode rows reading block 0. Every request still gets its one-request tokens."""
+    import os
+
     from minillm.layers.backend import kernel_mode
 
     rng = random.Random(seed)
     model, config = random_model(rng)
+    if os.environ.get("TRITON_INTERPRET") != "1":  # no interpreter: CPU tensors cannot run the kernels
+        model = model.to("cuda")
     requests = [([rng.randrange(config.vocab_size) for _ in range(rng.randrange(3, 30))],
                  SamplingParams(max_tokens=rng.randrange(2, 8), temperature=0.0)) for _ in range(4)]
     expected = [alone(model, tok, p, sp) for p, sp in requests]
