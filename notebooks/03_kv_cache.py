@@ -205,7 +205,7 @@ plt.show()
 # %% [markdown]
 # ## 4. What the cache costs: memory per token
 #
-# Chapter 00 predicted $2 \times \text{layers} \times \text{kv\_heads} \times \text{head\_dim} \times
+# Chapter 00 predicted $2 \times \text{layers} \times \text{kv_heads} \times \text{head_dim} \times
 # \text{bytes}$ per token. The cache allocates exactly that, for every slot, for its whole `max_len`
 # — measured here as the device memory the allocation takes.
 

@@ -31,7 +31,7 @@ from minillm.labs import ch02
 # `cos` and `sin`. Then, with `rotate_half([x1, x2]) = [-x2, x1]` (the two halves of the last
 # dimension),
 #
-# $$x' = x \cos + \text{rotate\_half}(x) \sin$$
+# $$x' = x \cos + \text{rotate_half}(x) \sin$$
 #
 # for every head of `q` (`[T, Hq, D]`) and `k` (`[T, Hkv, D]`). Return `(q', k')`.
 

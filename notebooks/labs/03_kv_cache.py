@@ -22,7 +22,7 @@
 #
 # The cache (chapter 03): for every layer, `k_cache` and `v_cache` of shape
 # `[num_slots, max_len, Hkv, D]`. The sequence in slot $s$ keeps the key of its token at position
-# $p$ in `k_cache[s, p]`, which is flat row $s \cdot \text{max\_len} + p$ of
+# $p$ in `k_cache[s, p]`, which is flat row $s \cdot \text{max_len} + p$ of
 # `k_cache.view(-1, Hkv, D)` (its *slot mapping*).
 
 # %%
@@ -97,7 +97,7 @@ def cached_decode_attention(q, k_cache, v_cache, slots, seq_lens):
 ch03.check_cached_decode_attention(cached_decode_attention)
 
 # %% [markdown]
-# These three are what `generation.prepare_inputs`, `cache.store_kv` and the attention layer's
+# These three are what `generation.prepare_inputs`, `layers.attention.store_kv` and the attention layer's
 # decode path do for every layer at every step. Chapter 04 replaces the loop of exercise 3 with a
 # Triton kernel (FlashDecoding) that reads each KV head once for its whole query group and splits
 # long caches across the GPU; chapter 05 replaces the slot with a list of small blocks.

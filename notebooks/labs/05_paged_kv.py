@@ -33,7 +33,7 @@ from minillm.labs import ch05
 # Token $p$ of a sequence lives in block `block_table[p // block_size]`, at offset
 # `p % block_size` inside it. The pool of every layer is `[num_blocks, block_size, Hkv, D]`; viewed as
 # `[num_blocks * block_size, Hkv, D]`, block $b$'s offset $o$ is flat row (*slot*)
-# $b \cdot \text{block\_size} + o$ — the row the attention layer writes the new K/V into.
+# $b \cdot \text{block_size} + o$ — the row the attention layer writes the new K/V into.
 #
 # Return the slots of positions `start, start + 1, ..., end - 1` (the tokens a step computes for a
 # sequence with `start` tokens cached), as a list of ints.
@@ -61,7 +61,7 @@ ch05.check_slot_mapping(slot_mapping)
 # The class below holds the state; write its four operations:
 #
 # * `allocate(seq, n_tokens)`: a new sequence's first `n_tokens` need
-#   $\lceil n / \text{block\_size} \rceil$ fresh blocks. Return `False` (and change nothing) if the free
+#   $\lceil n / \text{block_size} \rceil$ fresh blocks. Return `False` (and change nothing) if the free
 #   list is too short, else `True`.
 # * `fork(parent, child)`: the child's table is a copy of the parent's list, each block counted once
 #   more; the child has as many tokens as the parent.

@@ -31,13 +31,13 @@ SeqState(seq_id=3, priority=0, arrival=17, num_tokens=40, num_computed=39, num_b
 # ## Exercise — `schedule`
 #
 # Every sequence is a `SeqState`: `num_tokens` (prompt and generated so far), `num_computed` (those
-# whose K/V are cached) and `num_blocks` (the KV blocks it holds, $\lceil \text{num\_computed} /
-# \text{block\_size} \rceil$). A waiting sequence goes before another when its `(priority, arrival)`
+# whose K/V are cached) and `num_blocks` (the KV blocks it holds, $\lceil \text{num_computed} /
+# \text{block_size} \rceil$). A waiting sequence goes before another when its `(priority, arrival)`
 # is smaller; running ones are ordered by `(priority, prefilling, arrival)`: within a priority,
 # sequences that are decoding (exactly one token left) go before those still prefilling their prompt,
 # so a long prompt never delays the next token of a sequence already generating (Sarathi-Serve).
 # To run $n$ more tokens a sequence needs
-# $\lceil (\text{num\_computed} + n) / \text{block\_size} \rceil - \text{num\_blocks}$ more blocks.
+# $\lceil (\text{num_computed} + n) / \text{block_size} \rceil - \text{num_blocks}$ more blocks.
 # The step may run at most `budget` tokens in all.
 #
 # 1. **Running** sequences, in order: each gets $n = \min(\text{tokens left}, \text{budget left})$
@@ -49,7 +49,7 @@ SeqState(seq_id=3, priority=0, arrival=17, num_tokens=40, num_computed=39, num_b
 # 2. **Waiting** sequences, only if nobody was preempted this step, in order, first come first served:
 #    stop at the first one that does not fit — when the budget is spent, when `max_num_seqs` sequences
 #    are running (those still running from step 1 count), or when its blocks are not free. An admitted
-#    sequence gets $\min(\text{num\_tokens}, \text{budget left})$ tokens.
+#    sequence gets $\min(\text{num_tokens}, \text{budget left})$ tokens.
 #
 # Return `(scheduled, preempted)`: a list of `(seq_id, n)` and a list of `seq_id`s. A failing case
 # prints each sequence as `id:p<priority>,a<arrival>,<num_computed>/<num_tokens>,<num_blocks>b`.
