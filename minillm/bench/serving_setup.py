@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..cache import bytes_per_token, kv_cache_spec
 from ..checks import check_int
 from ..config import PRESETS, ModelConfig, preset
-from ..kv_memory import kv_bytes_per_token
 
 DUMMY = "-dummy"
 
@@ -56,8 +56,8 @@ class ServingModels:
         return total
 
     def kv_bytes_per_token(self) -> int:
-        c, itemsize = self.config, torch.empty((), dtype=self.dtype).element_size()
-        return int(kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, itemsize))
+        """Bytes of KV cache per token, as the model's layers state them (cache/spec.py)."""
+        return bytes_per_token(kv_cache_spec(self.model))
 
 
 def load_models(model, device: torch.device, dtype: torch.dtype | None = None) -> ServingModels:
