@@ -73,3 +73,11 @@ def comparable(tok, hf_unk_mode):
         return ["".join(c for c in t if tok.covers(c)) for t in texts]
 
     return keep
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory):
+    """A tiny random llama checkpoint with a chat template (the server tests' model)."""
+    from serve_utils import make_tiny_chat_model
+
+    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))

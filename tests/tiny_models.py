@@ -24,14 +24,15 @@ FAMILIES = {
 }
 
 
-def make_tiny(family: str, folder: Path, max_shard_size: str | None = None) -> Path:
+def make_tiny(family: str, folder: Path, max_shard_size: str | None = None, **config) -> Path:
+    """config: fields of the HF config to change (max_position_embeddings=4096, ...)."""
     import transformers
 
     from minillm.tokenizer import save_tokenizer_json, train_bpe
     from minillm.tokenizer.samples import FIXED
 
     cls_name, extra = FAMILIES[family]
-    cfg = getattr(transformers, cls_name)(**(_BASE | extra))
+    cfg = getattr(transformers, cls_name)(**(_BASE | extra | config))
     if cls_name == "Qwen3Config":
         cfg.hidden_size = 64
     torch.manual_seed(0)

@@ -1,0 +1,119 @@
+"""Helpers for the server tests: a tiny chat model, the real `minillm serve` in a subprocess on a free
+port of 127.0.0.1 (every wait bounded), and /metrics read back as numbers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from tiny_models import make_tiny
+
+# A ChatML-like template around the tiny tokenizer's one special token
+CHAT_TEMPLATE = ("{% for m in messages %}<|end|>{{ m['role'] }}\n{{ m['content'] }}<|end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|end|>assistant\n{% endif %}")
+
+
+CONTEXT = 4096  # long enough that a stream outlasts the test's reaction to it (about 2 ms a token on a CPU)
+
+
+def make_tiny_chat_model(folder: Path) -> Path:
+    make_tiny("llama3", folder, max_position_embeddings=CONTEXT)
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path):
+        self.proc, self.port, self.log = proc, port, log
+        self.base = f"http://127.0.0.1:{port}"
+        self.v1 = f"{self.base}/v1"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(f"{self.base}/metrics", timeout=10).text)
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
+        """/metrics once nothing runs, waits or holds a KV block (every request before has ended)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["minillm_num_requests_running"] == m["minillm_num_requests_waiting"] == 0 \
+                    and m["minillm_kv_cache_used_blocks"] == 0:
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"server still busy after {timeout} s: {m}")
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def serve(model: Path, *flags: str, log_dir: Path, env: dict | None = None, start_timeout: float = 120.0):
+    """Run `minillm serve` until the block ends; yields a Server once /health says 200."""
+    port = free_port()
+    log = log_dir / f"serve-{port}.log"
+    # one intra-op thread: tiny models gain nothing from more, and the machine has two cores to share
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [sys.executable, "-m", "minillm", "serve", "--model", str(model), "--device", "cpu",
+           "--port", str(port), "--no-access-log", *flags]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = Server(proc, port, log)
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"minillm serve exited with {proc.returncode}:\n{server.output()}")
+            try:
+                if httpx.get(f"{server.base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"minillm serve not healthy after {start_timeout} s:\n{server.output()}")
+            time.sleep(0.2)
+        yield server
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30.0) -> int:
+    """SIGTERM, then SIGKILL if it has not ended in time; -> its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {"name{label="v",...}": value}, and plain names for unlabelled series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def total(metrics: dict[str, float], name: str) -> float:
+    """Sum of a metric over all its label values."""
+    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))

@@ -1,0 +1,205 @@
+"""AsyncLLMEngine in-process (no HTTP), on a tiny random checkpoint: the deltas of concurrent requests
+put back together equal LLM.generate's outputs token for token; every request ends exactly once; an
+abort frees the request's blocks; a failing step ends only its requests with finish_reason "error"
+and the engine keeps serving; a bad request is refused before it is queued; shutdown aborts what is
+in flight. Every wait is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from serve_utils import CONTEXT
+
+from minillm import LLM, SamplingParams
+from minillm.engine.async_llm_engine import AsyncLLMEngine, EngineNotReady, FinishedStats
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_chat_model):
+    return tiny_chat_model
+
+
+@pytest.fixture(scope="module")
+def oracle(folder):
+    return LLM(str(folder), device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run(folder, body, timeout: float = 60.0, make=None, on_finished=None):
+    """Start an AsyncLLMEngine on the folder's model, run `body(engine)` in its loop, shut it down."""
+    async def main():
+        engine = AsyncLLMEngine(make or (lambda: LLM(str(folder), device="cpu").engine), on_finished=on_finished)
+        engine.start()
+        try:
+            assert await asyncio.to_thread(engine.wait_ready, timeout)
+            return await asyncio.wait_for(body(engine), timeout)
+        finally:
+            await engine.shutdown(timeout=10)
+
+    return asyncio.run(main())
+
+
+async def drain(engine, requests):
+    """Every delta of the requests, and the outputs put back together per request."""
+    deltas, text, ids, finished = [], {}, {}, {}
+    async for d in engine.stream(requests):
+        deltas.append(d)
+        assert d.request_id not in finished, "a delta after the request's last one"
+        for o in d.outputs:
+            key = (d.request_id, o.index)
+            text[key] = text.get(key, "") + o.text
+            ids[key] = ids.get(key, []) + o.token_ids
+        if d.finished:
+            finished[d.request_id] = d
+    return deltas, text, ids, finished
+
+
+def test_deltas_equal_generate(folder, oracle):
+    tok = oracle.tokenizer
+    prompts = [tok.encode(p) for p in ["hello there", "the cat", "a b c d e", "one more prompt", "x"]]
+    params = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=0.9, seed=7, n=2, max_tokens=10),
+              SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=9, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, presence_penalty=0.5),
+              SamplingParams(temperature=1.0, top_p=0.8, seed=11, max_tokens=8, n=3)]
+    want = oracle.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    requests = [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    _, text, ids, finished = run(folder, lambda engine: drain(engine, requests))
+    assert sorted(finished) == sorted(rid for rid, _, _ in requests)
+    for i, w in enumerate(want):
+        out = finished[f"r{i}"]
+        assert isinstance(out.metrics, FinishedStats) and out.metrics.num_prompt_tokens == len(prompts[i])
+        assert out.metrics.output_lens == tuple(len(c.token_ids) for c in w.outputs)
+        for c in w.outputs:
+            assert ids[(f"r{i}", c.index)] == c.token_ids, (i, c.index)
+            assert text[(f"r{i}", c.index)] == c.text
+
+
+def test_stop_string_never_streamed(folder, oracle):
+    tok = oracle.tokenizer
+    prompt = tok.encode("the cat sat")
+    plain = oracle.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].text
+    stop = next(plain[i : i + 2] for i in range(3, len(plain) - 2) if plain[i : i + 2].isascii()
+                and plain[i : i + 2].strip() and plain[i : i + 2] not in plain[: i + 1])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    want = oracle.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    deltas, text, _, _ = run(folder, lambda engine: drain(engine, [("s", prompt, params)]))
+    assert want.finish_reason == "stop" and want.stop_reason == stop
+    assert text[("s", 0)] == want.text and stop not in text[("s", 0)]
+    assert deltas[-1].outputs[-1].finish_reason == "stop"
+
+
+def test_abort_frees_blocks_and_engine_goes_on(folder, oracle):
+    prompt = oracle.tokenizer.encode("hello")
+    long = SamplingParams(temperature=0, max_tokens=CONTEXT - 10, ignore_eos=True)
+
+    async def body(engine):
+        events = []
+        gen = engine.generate("long", prompt, long)
+        first = await gen.__anext__()  # it runs: it holds blocks
+        events.append(len(first.outputs[0].token_ids))
+        await gen.aclose()  # the client went away
+        deadline = time.monotonic() + 20
+        while engine.load.used_blocks or engine.load.running or engine.load.waiting:
+            assert time.monotonic() < deadline, engine.load
+            await asyncio.sleep(0.01)
+        _, _, ids, finished = await drain(engine, [("next", prompt, SamplingParams(temperature=0, max_tokens=5))])
+        return events, ids, finished
+
+    finished_reasons, built = [], []
+
+    def make():
+        built.append(LLM(str(folder), device="cpu").engine)
+        return built[0]
+
+    events, ids, finished = run(folder, body, make=make,
+                                on_finished=lambda out: finished_reasons.append(out.metrics.finish_reason))
+    assert events[0] >= 1 and finished["next"].finished
+    want = oracle.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert ids[("next", 0)] == want[0].outputs[0].token_ids
+    assert finished_reasons == ["abort", "length"]
+    assert built[0].block_manager.num_used_blocks == 0 and not built[0].groups
+
+
+def test_failed_step_ends_only_its_request(folder, oracle):
+    prompt = oracle.tokenizer.encode("the cat")
+    params = SamplingParams(temperature=0, max_tokens=6)
+
+    async def body(engine):
+        real_step = engine.engine.step
+        calls = {"n": 0}
+
+        def broken_step(*args, **kwargs):  # a bug outside any one request: the async engine's own guard
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("injected step failure")
+            return real_step(*args, **kwargs)
+
+        engine.engine.step = broken_step
+        _, _, _, first = await drain(engine, [("a", prompt, params), ("b", prompt, params)])
+        _, _, ids, second = await drain(engine, [("c", prompt, params)])
+        return first, ids, second, engine.engine.block_manager.num_used_blocks
+
+    first, ids, second, used = run(folder, body)
+    for rid in "ab":
+        assert first[rid].outputs[-1].finish_reason == "error"
+        assert "injected step failure" in first[rid].error
+    assert second["c"].error is None and used == 0
+    want = oracle.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert ids[("c", 0)] == want
+
+
+def test_bad_requests_refused_before_queueing(folder):
+    async def body(engine):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            engine.check("x", {"prompt_token_ids": [10**6]}, SamplingParams())
+        with pytest.raises(ValueError, match="context"):
+            engine.check("y", {"prompt_token_ids": [1] * CONTEXT}, SamplingParams())
+        engine.add_request("dup", [1, 2], SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request("dup", [1, 2], SamplingParams(max_tokens=2))
+        _, _, _, finished = await drain(engine, [("ok", [1, 2, 3], SamplingParams(max_tokens=3))])
+        return finished
+
+    assert run(folder, body)["ok"].finished
+
+
+def test_not_ready_load_error_and_shutdown(folder):
+    async def main():
+        dead = asyncio.Event()
+
+        def fail():
+            raise FileNotFoundError("no model here")
+
+        broken = AsyncLLMEngine(fail)
+        with pytest.raises(EngineNotReady, match="loading"):
+            broken.check_ready()
+        broken.start(on_dead=dead.set)
+        await asyncio.wait_for(dead.wait(), 30)
+        assert not broken.ready and "no model here" in broken.load_error
+        with pytest.raises(EngineNotReady, match="no model here"):
+            broken.add_request("a", [1], SamplingParams())
+
+        engine = AsyncLLMEngine(lambda: LLM(str(folder), device="cpu").engine)
+        engine.start()
+        assert await asyncio.to_thread(engine.wait_ready, 60) and engine.ready
+        stream = engine.generate("long", [1, 2], SamplingParams(max_tokens=CONTEXT - 10, ignore_eos=True))
+        await stream.__anext__()
+        await asyncio.wait_for(engine.shutdown(10), 30)  # aborts what is in flight
+        rest = [d async for d in stream]
+        assert rest[-1].finished and rest[-1].outputs[-1].finish_reason == "abort"
+        assert not engine._thread.is_alive() and not engine.ready
+        with pytest.raises(EngineNotReady, match="shutting down"):
+            engine.add_request("b", [1], SamplingParams())
+
+    asyncio.run(main())
