@@ -32,7 +32,7 @@ $(VENV)/.runtime: pyproject.toml | $(BIN)/python
 
 # everything: tests, notebooks, docs
 $(VENV)/.dev: $(VENV)/.runtime
-	$(BIN)/pip install -q -e ".[dev,docs,notebooks]"
+	$(BIN)/pip install -q -e ".[dev,docs,notebooks,serve]"
 	touch $@
 
 run: $(VENV)/.runtime

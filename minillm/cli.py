@@ -142,6 +142,14 @@ def _bench(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    try:
+        from .entrypoints.openai.api_server import run_server
+    except ModuleNotFoundError as e:
+        raise ValueError(f"`minillm serve` needs {e.name}: pip install 'minillm[serve]'") from None
+    return run_server(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minillm", description="minillm: an LLM inference engine you can read.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -173,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--src", default="notebooks/labs")
     b.add_argument("--out", default=None, help="default: SRC/student")
     b.set_defaults(fn=_labs)
+
+    from .entrypoints.openai.cli_args import add_serve_args
+
+    serve = sub.add_parser("serve", help="serve a model over HTTP with the OpenAI API (needs minillm[serve])")
+    add_serve_args(serve)
+    serve.set_defaults(fn=_serve)
 
     bench = sub.add_parser("bench", help="run a named benchmark ('list' to see them)")
     bench.add_argument("name")

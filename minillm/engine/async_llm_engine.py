@@ -154,7 +154,11 @@ class AsyncLLMEngine:
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and self.load_error is None and self.dead is None and self.accepting
+        try:
+            self.check_ready()
+            return True
+        except EngineNotReady:
+            return False
 
     def check(self, request_id: str, prompt, params: SamplingParams):
         """LLMEngine.check_request: -> (text, ids, checked params copy), or ValueError/TypeError."""

@@ -1,0 +1,264 @@
+"""`minillm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn, as vLLM and SGLang).
+
+    minillm serve --model Qwen/Qwen3-0.6B --port 8000
+    curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+         -d '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
+
+    GET  /health                503 while the model loads and warms up (and once shutdown began), then 200
+    GET  /metrics               Prometheus text (metrics.py)
+    GET  /v1/models             the one model served
+    POST /v1/completions        serving_completion.py
+    POST /v1/chat/completions   serving_chat.py
+
+The port opens at once; the engine thread builds the model and warms it up meanwhile (until then
+/health and every /v1 call answer 503). Every error has OpenAI's body, {"error": {"message", "type",
+"param", "code"}}: 400 for a bad request (malformed JSON, a wrong type, a bad value, a prompt longer
+than the context; FastAPI's 422 becomes 400, as SGLang does), 401 for a missing or wrong API key,
+404 for an unknown model or path, 413 for a body over --max-request-bytes, 503 while not serving.
+
+Shutdown (SIGTERM, Ctrl-C): the listening socket closes, new requests on open connections get 503,
+requests in flight get --shutdown-grace seconds to finish and are then aborted (their streams end
+with finish_reason "abort" and `data: [DONE]`); then the engine thread stops and frees its memory.
+uvicorn then re-raises the signal, as a server killed by it would end. A model that fails to load
+ends the server with exit 2 and one line on stderr; an engine thread that fails for good, with exit 1
+(a supervisor restarts it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ...engine.async_llm_engine import AsyncLLMEngine, EngineNotReady
+from .metrics import ServerMetrics
+from .protocol import BadField, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .serving_chat import OpenAIServingChat
+from .serving_completion import OpenAIServingCompletion
+from .serving_engine import APIError
+
+logger = logging.getLogger("minillm.serve")
+
+
+def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
+              max_request_bytes: int = 4 * 2**20) -> FastAPI:
+    metrics = ServerMetrics(engine)
+    engine.on_finished = metrics.request_finished
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start(on_dead=lambda: app.state.on_dead())
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="minillm", lifespan=lifespan)
+    app.state.on_dead = lambda: None  # run() makes it stop the server
+    app.state.engine, app.state.metrics = engine, metrics
+    completions = OpenAIServingCompletion(engine, model_name)
+    chat = OpenAIServingChat(engine, model_name)
+    app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes, metrics=metrics)
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        engine.check_ready()  # EngineNotReady: a 503 saying why (loading, failed, shutting down)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def get_metrics():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    def card() -> ModelCard:
+        built = engine.engine
+        return ModelCard(id=model_name, created=int(app.state.started),
+                         max_model_len=built.max_model_len if built is not None else None)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> ModelCard:
+        completions.check_model(model_id)
+        return card()
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        return await completions.create_completion(request, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        return await chat.create_chat_completion(request, raw_request)
+
+    app.state.started = time.time()
+    return app
+
+
+def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
+    return JSONResponse(APIError(status, message, type, param, code).body(), status_code=status)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return _error(e.status, e.message, e.type, e.param, e.code)
+
+    @app.exception_handler(BadField)
+    async def bad_field(_, e: BadField):
+        return _error(400, str(e), param=e.param)
+
+    @app.exception_handler(EngineNotReady)
+    async def not_ready(_, e: EngineNotReady):
+        return _error(503, str(e), "server_error", code="not_ready")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, e: RequestValidationError):  # FastAPI's 422: OpenAI says 400
+        message, param = _describe(e.errors())
+        return _error(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, e: StarletteHTTPException):  # unknown path (404), wrong method (405), ...
+        code = "not_found" if e.status_code == 404 else None
+        return _error(e.status_code, str(e.detail), param=None, code=code)
+
+    @app.exception_handler(Exception)
+    async def internal(_, e: Exception):
+        logger.exception("unhandled error")
+        return _error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _describe(errors: list[dict]) -> tuple[str, str | None]:
+    """pydantic's errors -> one message and the field it concerns (its dotted path)."""
+    lines, first = [], None
+    for err in errors:
+        if err.get("type") == "json_invalid":
+            return f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}", None
+        path = ""
+        for part in err.get("loc", ())[1:]:  # ("body", "messages", 0, "content")
+            if isinstance(part, int):
+                path += f"[{part}]"
+            elif part.isidentifier() and part not in _TYPE_NAMES and not part[0].isupper():  # not a union branch
+                path += f".{part}" if path else part
+        first = first or path or None
+        line = f"{path or 'body'}: {err['msg']}"
+        if line not in lines:
+            lines.append(line)
+    return "; ".join(lines[:4]) + ("; ..." if len(lines) > 4 else ""), first
+
+
+class Guard:
+    """Pure ASGI middleware, before any route: counts every response by status, checks the API key on
+    /v1, and refuses bodies over the limit with 413 before reading them whole."""
+
+    def __init__(self, app, api_key: str | None, max_request_bytes: int, metrics: ServerMetrics):
+        self.app, self.api_key, self.limit, self.metrics = app, api_key, max_request_bytes, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def counted_send(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            refusal = self._auth(scope)
+            if refusal is None:
+                refusal, receive = await self._body(scope, receive)
+            if refusal is not None:
+                return await refusal(scope, receive, counted_send)
+            await self.app(scope, receive, counted_send)
+        finally:
+            self.metrics.http_response(scope["path"], status[0])
+
+    def _auth(self, scope) -> JSONResponse | None:
+        if self.api_key is None or not scope["path"].startswith("/v1"):
+            return None
+        given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            return None
+        message = ("Incorrect API key provided" if given else
+                   "You didn't provide an API key: send it as `Authorization: Bearer YOUR_KEY`")
+        return _error(401, message, code="invalid_api_key")
+
+    async def _body(self, scope, receive):
+        """Read the body, at most the limit (a 413 past it), and hand it on as one message."""
+        too_large = _error(413, f"the request body is larger than {self.limit} bytes", code="request_too_large")
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return too_large, receive
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: let the app see it
+                return None, _replay([message], receive)
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return too_large, receive
+            if not message.get("more_body", False):
+                break
+        return None, _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive)
+
+
+def _replay(messages: list, receive):
+    async def replayed():
+        return messages.pop(0) if messages else await receive()  # then disconnects, as they come
+
+    return replayed
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose shutdown first stops new requests and, after the grace period, aborts
+    those still running (so their streams end, rather than hang until uvicorn cancels them)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace: float):
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+
+    async def shutdown(self, sockets=None):
+        self.engine.accepting = False
+        abort = asyncio.get_running_loop().call_later(self.grace, self.engine.abort_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            abort.cancel()
+
+
+def run_server(args) -> int:
+    """`minillm serve`: build the app, serve until SIGTERM/Ctrl-C. -> exit status (2: the model failed to load)."""
+    from ...llm import LLM
+    from ...model_files import embedded_model_path
+    from .cli_args import engine_kwargs
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    api_key = args.api_key or os.environ.get("MINILLM_API_KEY") or None
+    model_name = args.served_model_name or args.model or embedded_model_path().stem
+    llm_args = dict(model=args.model, dtype=args.dtype, device=args.device, **engine_kwargs(args))
+    engine = AsyncLLMEngine(lambda: LLM(**llm_args).engine, warm_up=False if args.no_warm_up else "auto")
+    app = build_app(engine, model_name, api_key, args.max_request_bytes)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=not args.no_access_log, timeout_graceful_shutdown=args.shutdown_grace + 5)
+    server = _Server(config, engine, args.shutdown_grace)
+    app.state.on_dead = lambda: setattr(server, "should_exit", True)
+    logger.info("serving %s on http://%s:%d (API key %s)", model_name, args.host, args.port,
+                "required" if api_key else "not required")
+    server.run()
+    if engine.load_error is not None:
+        raise ValueError(f"the model failed to load: {engine.load_error}")
+    return 0 if engine.dead is None else 1

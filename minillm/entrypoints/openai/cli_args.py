@@ -1,0 +1,64 @@
+"""The flags of `minillm serve` (vLLM's cli_args.py): where to listen, who may call, what to limit,
+and the engine's own knobs (EngineConfig's fields, vLLM's flag names). Plain argparse: building the
+`minillm` parser never imports the server's dependencies."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 128k-token prompt is about 0.5 MB of text
+
+
+def _prefix_caching(value: str):
+    choices = {"off": None, "hash": "hash", "radix": "radix"}
+    if value not in choices:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(choices)}, not {value!r}")
+    return choices[value]
+
+
+# (flag, EngineConfig field, type, help); the default is EngineConfig's
+ENGINE_FLAGS = [
+    ("--block-size", "block_size", int, "tokens per KV block"),
+    ("--num-gpu-blocks", "num_gpu_blocks", int, "KV blocks in the pool (default: what the memory allows)"),
+    ("--gpu-memory-utilization", "gpu_memory_utilization", float, "share of the GPU's memory to fill"),
+    ("--max-model-len", "max_model_len", int, "context length (prompt + output); longer prompts get a 400"),
+    ("--max-num-seqs", "max_num_seqs", int, "sequences running at once"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget of one step"),
+    ("--enable-prefix-caching", "enable_prefix_caching", _prefix_caching, "off, hash (vLLM) or radix (SGLang)"),
+    ("--preemption-mode", "preemption_mode", str, "recompute or swap"),
+    ("--swap-space", "swap_space", float, "GiB of CPU memory for swapped-out blocks"),
+    ("--cuda-graph-max-batch", "cuda_graph_max_batch", int, "decode batches up to this size replay a CUDA graph"),
+    ("--cuda-graph-max-tokens", "cuda_graph_max_tokens", int, "prefill steps up to this many tokens replay one"),
+]
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a .gguf file, HF model folder or hub id (default: embedded SmolLM2)")
+    p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model as given)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only; "
+                   "0.0.0.0 opens it to the network)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 (also from "
+                   "$MINILLM_API_KEY)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies get a 413")
+    p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight requests get to finish "
+                   "after SIGTERM/Ctrl-C; then they are aborted (finish_reason 'abort')")
+    p.add_argument("--no-warm-up", action="store_true", help="skip the warm-up (on a GPU it compiles and captures "
+                   "before /health says 200)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g = p.add_argument_group("engine")
+    for flag, field, kind, text in ENGINE_FLAGS:
+        g.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS, help=text)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields given on the command line (the others keep EngineConfig's defaults)."""
+    kwargs = {field: getattr(args, field) for _, field, _, _ in ENGINE_FLAGS if hasattr(args, field)}
+    if args.enforce_eager:
+        kwargs["enforce_eager"] = True
+    return kwargs

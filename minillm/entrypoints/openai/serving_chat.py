@@ -1,0 +1,92 @@
+"""POST /v1/chat/completions: a conversation, rendered by the model's chat template, answered.
+
+The template is applied with tokenize=True (Tokenizer.apply_chat_template): a message's content is
+encoded as plain text, so a user who types "<|im_end|>" cannot close their turn or forge another
+role's. Streamed, each choice first gets a chunk with delta {"role": "assistant", "content": ""},
+then its text as it comes, the last chunk with its finish_reason; then the usage chunk (with
+stream_options.include_usage) and `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from ...outputs import Logprob
+from .protocol import (
+    AssistantMessage,
+    ChatCompletionLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatLogProb,
+    ChatLogProbsContent,
+    DeltaMessage,
+)
+from .serving_engine import APIError, OpenAIServing, gather, new_id, usage
+
+# SamplingParams' names for what the chat schema calls otherwise (an error names the request's field)
+_RENAMES = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
+        self.check_model(request.model)
+        params = self.sampling_params(request, _RENAMES)
+        conversation = request.conversation()
+        try:
+            ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, conversation,
+                                          add_generation_prompt=True, tokenize=True)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param="messages") from None
+        request_id, created = new_id("chatcmpl")
+        requests = self.check(request_id, [ids], params, "messages")
+        if request.stream:
+            return StreamingResponse(self._stream(request_id, created, requests, request.include_usage),
+                                     media_type="text/event-stream")
+        choices, generated = gather(await self.collect(requests, raw_request), requests, params.n)
+        return ChatCompletionResponse(
+            id=request_id, created=created, model=self.model_name, usage=usage([len(ids)], generated),
+            choices=[ChatCompletionResponseChoice(
+                index=i, message=AssistantMessage(content="".join(c.text)), finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason, logprobs=self._logprobs(c.token_ids, c.logprobs, params.logprobs))
+                for i, c in enumerate(choices)])
+
+    def _stream(self, request_id: str, created: int, requests, include_usage: bool) -> AsyncIterator[str]:
+        [(_, ids, params)] = requests
+        roles = [self._chunk(request_id, created, [ChatCompletionStreamChoice(  # the role first, as OpenAI does
+            index=i, delta=DeltaMessage(role="assistant", content=""))]) for i in range(params.n)]
+
+        def chunk(_: int, out) -> str:
+            return self._chunk(request_id, created, [ChatCompletionStreamChoice(
+                index=out.index, delta=DeltaMessage(content=out.text or None),
+                logprobs=self._logprobs(out.token_ids, out.logprobs, params.logprobs),
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
+
+        def last(generated: int) -> str | None:
+            return self._chunk(request_id, created, [], usage([len(ids)], generated)) if include_usage else None
+
+        return self.sse_stream(requests, chunk, last, first=roles)
+
+    def _chunk(self, request_id: str, created: int, choices, usage_info=None) -> str:
+        return ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                                            choices=choices, usage=usage_info).model_dump_json()
+
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]] | None,
+                  top: int | None) -> ChatCompletionLogProbs | None:
+        """The chat schema: per token its text, logprob and UTF-8 bytes, and the `top` most likely."""
+        if top is None or entries is None:
+            return None
+        vocab = self.tokenizer.vocab
+        item = lambda t, e: dict(token=e.decoded_token, logprob=e.logprob, bytes=list(vocab[t]))
+        content = []
+        for t, entry in zip(token_ids, entries):
+            ranked = sorted((e.rank, tid) for tid, e in entry.items() if e.rank is not None and e.rank <= top)
+            content.append(ChatLogProbsContent(**item(t, entry[t]),
+                                               top_logprobs=[ChatLogProb(**item(tid, entry[tid])) for _, tid in ranked]))
+        return ChatCompletionLogProbs(content=content)

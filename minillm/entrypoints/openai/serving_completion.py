@@ -1,0 +1,87 @@
+"""POST /v1/completions: a prompt (text or token ids, one or a list) continued.
+
+Choice i * n + j is completion j of prompt i. Streamed, every chunk is a `text_completion` object
+holding one choice's new text; the last chunk of a choice carries its finish_reason; with
+stream_options.include_usage one more chunk, with no choices, carries the usage; then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from ...outputs import Logprob
+from .protocol import (
+    BadField,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+)
+from .serving_engine import OpenAIServing, gather, new_id, usage
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest, raw_request: Request):
+        self.check_model(request.model)
+        params = self.sampling_params(request)
+        prompts = await asyncio.to_thread(self._token_ids, request.prompts())
+        request_id, created = new_id("cmpl")
+        requests = self.check(request_id, prompts, params, "prompt")
+        if request.stream:
+            return StreamingResponse(self._stream(request_id, created, requests, request.include_usage),
+                                     media_type="text/event-stream")
+        choices, generated = gather(await self.collect(requests, raw_request), requests, params.n)
+        return CompletionResponse(
+            id=request_id, created=created, model=self.model_name,
+            usage=usage([len(ids) for _, ids, _ in requests], generated),
+            choices=[CompletionResponseChoice(
+                index=i, text="".join(c.text), finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                logprobs=None if params.logprobs is None else logprobs(c.token_ids, c.logprobs, 0))
+                for i, c in enumerate(choices)])
+
+    def _token_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Text is tokenized as LLM.generate does (Tokenizer.encode); token ids pass as they are."""
+        for i, p in enumerate(prompts):
+            if isinstance(p, list) and not p:
+                raise BadField("prompt", f"prompt[{i}] is empty: a prompt needs at least one token")
+        return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+
+    def _stream(self, request_id: str, created: int, requests, include_usage: bool) -> AsyncIterator[str]:
+        n = requests[0][2].n
+        offsets = [0] * (len(requests) * n)  # text_offset of each choice's next token
+
+        def chunk(i: int, out) -> str:
+            index, lp = i * n + out.index, None
+            if out.logprobs is not None:
+                lp = logprobs(out.token_ids, out.logprobs, offsets[index])
+                offsets[index] += sum(len(t) for t in lp.tokens)
+            return self._chunk(request_id, created, [CompletionResponseChoice(
+                index=index, text=out.text, logprobs=lp, finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
+
+        def last(generated: int) -> str | None:
+            prompt_lens = [len(ids) for _, ids, _ in requests]
+            return self._chunk(request_id, created, [], usage(prompt_lens, generated)) if include_usage else None
+
+        return self.sse_stream(requests, chunk, last)
+
+    def _chunk(self, request_id: str, created: int, choices, usage_info=None) -> str:
+        return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
+                                  usage=usage_info).model_dump_json()
+
+
+def logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], offset: int) -> CompletionLogProbs:
+    """The completions schema: each token's text, its logprob, the top ones (the chosen one among them,
+    as vLLM does) and where it starts in the completion's text."""
+    lp = CompletionLogProbs()
+    for t, entry in zip(token_ids, entries):
+        chosen = entry[t]
+        lp.tokens.append(chosen.decoded_token)
+        lp.token_logprobs.append(chosen.logprob)
+        lp.top_logprobs.append({e.decoded_token: e.logprob for e in entry.values()})
+        lp.text_offset.append(offset)
+        offset += len(chosen.decoded_token)
+    return lp

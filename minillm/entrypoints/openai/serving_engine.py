@@ -1,0 +1,204 @@
+"""What both endpoints share (vLLM's OpenAIServing): the model check, turning a request into checked
+engine requests, errors in OpenAI's shape, SSE framing, and waiting for a result while watching for
+the client to leave.
+
+A request is checked whole before any of it is queued (LLMEngine.check_request for each prompt), so
+a bad one is a 400 with nothing left behind in the engine. Errors carry OpenAI's body:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import aclosing
+
+from ...engine.async_llm_engine import AsyncLLMEngine
+from ...inputs import check_length
+from ...outputs import CompletionOutput, RequestOutput
+from ...sampling import SamplingParams
+from .protocol import BadField, ErrorInfo, ErrorResponse, UsageInfo
+
+
+class APIError(Exception):
+    """An error with its HTTP status and OpenAI's error fields; the server renders it."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                             code=self.code)).model_dump()
+
+
+def sse(payload: str) -> str:
+    """One server-sent event: `data: ...` and a blank line."""
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def sse_error(error: APIError) -> str:
+    """An error after the stream began (its status was sent already): an event the openai client raises."""
+    return sse(json.dumps(error.body()))
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        """Is the engine serving, and is `model` its model? (503 / 404 otherwise)"""
+        self.engine.check_ready()
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
+                           param="model", code="model_not_found")
+
+    def sampling_params(self, request, renames: dict[str, str] | None = None) -> SamplingParams:
+        """request -> SamplingParams; a value SamplingParams refuses is a 400 naming its field (under
+        the request's name for it: renames maps SamplingParams' names to the endpoint's)."""
+        try:
+            return request.to_sampling_params()
+        except BadField:
+            raise
+        except (ValueError, TypeError) as e:
+            param = _param_of(str(e))
+            raise APIError(400, str(e), param=(renames or {}).get(param, param)) from None
+
+    def check(self, request_id: str, prompts: list[list[int]], params: SamplingParams, what: str
+              ) -> list[tuple[str, list[int], SamplingParams]]:
+        """-> engine requests (id, ids, checked params), one per prompt; or a 400 for the first bad one."""
+        out = []
+        for i, ids in enumerate(prompts):
+            name = what if len(prompts) == 1 else f"{what}[{i}]"
+            try:
+                check_length(name, len(ids), params, self.engine.engine.max_model_len)
+            except ValueError as e:
+                raise APIError(400, str(e), param=what, code="context_length_exceeded") from None
+            rid = f"{request_id}-{i}"
+            try:
+                _, ids, checked = self.engine.check(rid, {"prompt_token_ids": ids}, params)
+            except (ValueError, TypeError) as e:
+                message = str(e).replace(f"request {rid!r}", name)
+                raise APIError(400, message, param="n" if " n=" in message else _param_of(message)) from None
+            out.append((rid, ids, checked))
+        return out
+
+    async def collect(self, requests, raw_request) -> list[RequestOutput]:
+        """Run requests to the end and return every delta, in order. If the client disconnects first,
+        abort them (no one would read the answer) and answer 499 (nginx's "client closed request")."""
+        async def run():
+            async with aclosing(self.engine.stream(requests)) as deltas:
+                return [d async for d in deltas]
+
+        task = asyncio.ensure_future(run())
+        gone = asyncio.ensure_future(wait_for_disconnect(raw_request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this handler itself is cancelled
+            gone.cancel()
+            if not task.done():
+                task.cancel()  # the stream's finally aborts what is left
+        if task.cancelled() or not task.done():
+            raise APIError(499, "the client closed the connection before the answer was ready", code="client_closed")
+        return task.result()
+
+    def stream(self, requests):
+        """The requests' deltas as they come (use under contextlib.aclosing: closing it aborts the rest)."""
+        return self.engine.stream(requests)
+
+    async def sse_stream(self, requests, chunk: Callable[[int, CompletionOutput], str],
+                         last: Callable[[int], str | None], first: Iterable[str] = ()) -> AsyncIterator[str]:
+        """The SSE body of a streamed answer: the `first` chunks, then chunk(prompt index, output) for every
+        output with something to show, then last(tokens generated) (the usage chunk, or None), then
+        [DONE]. If the engine fails a request, an error event and [DONE] end the stream (the 200 is sent
+        already), and the other prompts are aborted as the stream closes."""
+        where = {rid: i for i, (rid, _, _) in enumerate(requests)}
+        generated = 0
+        for payload in first:
+            yield sse(payload)
+        try:
+            async with aclosing(self.stream(requests)) as deltas:
+                async for delta in deltas:
+                    if (error := failed(delta)) is not None:
+                        raise error
+                    for out in delta.outputs:
+                        generated += len(out.token_ids)
+                        # nothing to show yet: a stop string may be forming, or half a character
+                        if out.text or out.finish_reason is not None or out.logprobs:
+                            yield sse(chunk(where[delta.request_id], out))
+        except APIError as error:
+            yield sse_error(error)
+        else:
+            if (payload := last(generated)) is not None:
+                yield sse(payload)
+        yield SSE_DONE
+
+
+async def wait_for_disconnect(raw_request) -> None:
+    """Returns when the client has closed the connection (its body was read already)."""
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def new_id(prefix: str) -> tuple[str, int]:
+    return f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+
+
+class Gathered:
+    """One completion put back together from its deltas (a non-streamed answer)."""
+
+    def __init__(self):
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+
+def gather(deltas: list[RequestOutput], requests, n: int) -> tuple[list[Gathered], int]:
+    """-> each choice (index = prompt index * n + completion index) and the tokens generated; a 500 if
+    the engine failed one of the requests."""
+    where = {rid: i for i, (rid, _, _) in enumerate(requests)}
+    choices = [Gathered() for _ in range(len(requests) * n)]
+    for delta in deltas:
+        if (error := failed(delta)) is not None:
+            raise error
+        for out in delta.outputs:
+            c = choices[where[delta.request_id] * n + out.index]
+            c.text.append(out.text)
+            c.token_ids += out.token_ids
+            c.logprobs += out.logprobs or []
+            c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+    return choices, sum(len(c.token_ids) for c in choices)
+
+
+def usage(prompt_lens: list[int], completion_tokens: int) -> UsageInfo:
+    prompt = sum(prompt_lens)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion_tokens,
+                     total_tokens=prompt + completion_tokens)
+
+
+def failed(delta: RequestOutput) -> APIError | None:
+    """The engine ended this request with an error: a 500 for the client."""
+    if delta.error is None:
+        return None
+    return APIError(500, f"the request failed in the engine: {delta.error}", type="server_error",
+                    code="engine_error")
+
+
+def _param_of(message: str) -> str | None:
+    """The request field a SamplingParams error names ("top_p must be ..." -> "top_p")."""
+    head = message.split(" ", 1)[0].split("[", 1)[0]
+    return head if head.isidentifier() and head.islower() else None

@@ -1,0 +1,186 @@
+"""The server's life around the requests: /health is 503 until the engine is built and warm; an API
+key (flag or $MINILLM_API_KEY) guards /v1 with 401s; a model that fails to load ends `minillm serve`
+with exit 2 and one line; SIGTERM ends in-flight streams cleanly (finish_reason "abort" after the
+grace period, then `data: [DONE]`) and the process exits; `import minillm` needs none of the server's
+packages."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from serve_utils import CONTEXT, serve
+
+from minillm import LLM
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+KEY = "sk-test-0123456789"
+
+
+def test_import_minillm_needs_no_server_packages():
+    code = ("import sys, minillm, minillm.cli, minillm.engine.async_llm_engine, minillm.entrypoints.openai.cli_args\n"
+            "minillm.cli.build_parser()\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'fastapi', 'uvicorn', 'starlette', 'pydantic', "
+            "'openai', 'prometheus_client'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_health_503_until_ready_and_api_key_flag(tiny_chat_model):
+    """In process (FastAPI's TestClient): the engine's build waits on a gate, so the 503 is seen."""
+    from fastapi.testclient import TestClient
+
+    from minillm.engine.async_llm_engine import AsyncLLMEngine
+    from minillm.entrypoints.openai.api_server import build_app
+
+    gate = threading.Event()
+
+    def make():
+        assert gate.wait(60)
+        return LLM(str(tiny_chat_model), device="cpu").engine
+
+    app = build_app(AsyncLLMEngine(make), "tiny", api_key=KEY)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with TestClient(app) as client:
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+        r = client.post("/v1/completions", json={"prompt": "hi"}, headers=auth)
+        assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+        gate.set()
+        deadline = time.monotonic() + 60
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 401
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=auth)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_engine_failure_is_a_500_or_an_error_event(tiny_chat_model):
+    """A step that fails ends its request: unstreamed, a 500 with OpenAI's body; streamed (the 200 is
+    sent already), an error event the openai client raises, then [DONE]. The next request is served."""
+    from fastapi.testclient import TestClient
+
+    from minillm.engine.async_llm_engine import AsyncLLMEngine
+    from minillm.entrypoints.openai.api_server import build_app
+
+    app = build_app(AsyncLLMEngine(lambda: LLM(str(tiny_chat_model), device="cpu").engine), "tiny")
+    with TestClient(app) as http:
+        deadline = time.monotonic() + 60
+        while http.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        runner = app.state.engine.engine.runner
+        real = runner.execute
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("injected forward failure")
+
+        runner.execute = boom  # the engine thread is idle between requests
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 500
+        assert r.json()["error"]["type"] == "server_error" and "injected forward failure" in r.json()["error"]["message"]
+        lines = [line for line in http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}).iter_lines() if line]
+        assert "injected forward failure" in json.loads(lines[-2][6:])["error"]["message"] and lines[-1] == "data: [DONE]"
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+        with pytest.raises(openai.APIError, match="injected forward failure"):
+            for _ in client.completions.create(model="tiny", prompt="hi", max_tokens=4, stream=True):
+                pass
+        runner.execute = real
+        ok = client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0)
+        assert ok.usage.completion_tokens == 4
+        metrics = http.get("/metrics").text
+        assert 'minillm_requests_total{finish_reason="error"} 3.0' in metrics
+
+
+def test_model_that_fails_to_load_exits_2(tmp_path):
+    from serve_utils import free_port
+
+    cmd = [sys.executable, "-m", "minillm", "serve", "--model", str(tmp_path / "missing"), "--device", "cpu",
+           "--port", str(free_port())]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "minillm: error: the model failed to load: FileNotFoundError" in out.stderr
+    assert "Traceback" not in out.stderr.split("minillm: error:")[-1]
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_chat_model, tmp_path_factory):
+    """API key from the environment; one sequence at a time, 1 s of grace at shutdown."""
+    with serve(tiny_chat_model, "--max-num-seqs", "1", "--shutdown-grace", "1", env={"MINILLM_API_KEY": KEY},
+               log_dir=tmp_path_factory.mktemp("logs")) as s:
+        yield s
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong-key", f"Basic {KEY}", KEY])
+def test_missing_or_wrong_api_key_is_401(keyed_server, header):
+    headers = {"Authorization": header} if header else {}
+    for method, path in [("GET", "/models"), ("POST", "/completions"), ("POST", "/chat/completions")]:
+        r = httpx.request(method, f"{keyed_server.v1}{path}", headers=headers, json={"prompt": "hi"}, timeout=10)
+        assert r.status_code == 401
+        error = r.json()["error"]
+        assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error" and error["message"]
+    assert httpx.get(f"{keyed_server.base}/health", timeout=10).status_code == 200  # open, for probes
+    assert httpx.get(f"{keyed_server.base}/metrics", timeout=10).status_code == 200
+
+
+def test_right_api_key_with_the_openai_client(keyed_server):
+    with openai.OpenAI(base_url=keyed_server.v1, api_key="wrong", max_retries=0) as bad, \
+            pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    with openai.OpenAI(base_url=keyed_server.v1, api_key=KEY, max_retries=0) as client:
+        model = client.models.list().data[0].id
+        out = client.completions.create(model=model, prompt="hello", max_tokens=3, temperature=0)
+        assert out.usage.completion_tokens == 3
+
+
+def test_sigterm_ends_streams_then_exits(keyed_server):
+    """Three long chat streams (one runs, two wait: max-num-seqs 1); SIGTERM; after the 1 s grace
+    each ends with finish_reason "abort" and [DONE], and the server exits. Runs last in this module."""
+    body = {"model": str(keyed_server.proc.args[keyed_server.proc.args.index("--model") + 1]), "stream": True,
+            "messages": [{"role": "user", "content": "go on"}], "max_tokens": CONTEXT - 100,
+            "temperature": 0, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60, headers=headers) as http:
+            started = [asyncio.Event() for _ in range(3)]
+
+            async def read(i):
+                events = []
+                async with http.stream("POST", f"{keyed_server.v1}/chat/completions", json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+                            started[i].set()
+                return events
+
+            readers = [asyncio.create_task(read(i)) for i in range(3)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            t0 = time.monotonic()
+            keyed_server.proc.send_signal(signal.SIGTERM)
+            events = await asyncio.wait_for(asyncio.gather(*readers), 60)
+            return events, time.monotonic() - t0
+
+    events, seconds = asyncio.run(main())
+    for stream in events:
+        assert stream[-1] == "[DONE]"
+        finishes = [c["finish_reason"] for e in stream[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
+        assert finishes == ["abort"]
+    assert seconds < 30
+    assert keyed_server.proc.wait(60) == -signal.SIGTERM  # uvicorn re-raises the signal after its shutdown
+    log = keyed_server.output()
+    assert "Application shutdown complete" in log and "Traceback" not in log
+    with pytest.raises(httpx.TransportError):  # nobody listens any more
+        httpx.get(f"{keyed_server.base}/health", timeout=5)
