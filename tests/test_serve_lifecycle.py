@@ -110,8 +110,10 @@ def test_model_that_fails_to_load_exits_2(tmp_path):
            "--port", str(free_port())]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
-    assert "minillm: error: the model failed to load: FileNotFoundError" in out.stderr
+    assert "minillm: error: the engine could not be built: FileNotFoundError" in out.stderr
     assert "Traceback" not in out.stderr.split("minillm: error:")[-1]
+    bad_flag = subprocess.run([*cmd[:-2], "--block-size", "0"], capture_output=True, text=True, timeout=120)
+    assert bad_flag.returncode == 2 and bad_flag.stderr.strip() == "minillm: error: block_size must be a positive int, not 0"
 
 
 @pytest.fixture(scope="module")

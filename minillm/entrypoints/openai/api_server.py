@@ -20,7 +20,7 @@ Shutdown (SIGTERM, Ctrl-C): the listening socket closes, new requests on open co
 requests in flight get --shutdown-grace seconds to finish and are then aborted (their streams end
 with finish_reason "abort" and `data: [DONE]`); then the engine thread stops and frees its memory.
 uvicorn then re-raises the signal, as a server killed by it would end. A model that fails to load
-ends the server with exit 2 and one line on stderr; an engine thread that fails for good, with exit 1
+(or an engine flag that is wrong) ends the server with exit 2 and one line on stderr; an engine thread that fails for good, with exit 1
 (a supervisor restarts it).
 """
 
@@ -241,7 +241,8 @@ class _Server(uvicorn.Server):
 
 
 def run_server(args) -> int:
-    """`minillm serve`: build the app, serve until SIGTERM/Ctrl-C. -> exit status (2: the model failed to load)."""
+    """`minillm serve`: build the app, serve until SIGTERM/Ctrl-C. -> exit status (ValueError: no engine)."""
+    from ...engine import EngineConfig
     from ...llm import LLM
     from ...model_files import embedded_model_path
     from .cli_args import engine_kwargs
@@ -249,6 +250,7 @@ def run_server(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get("MINILLM_API_KEY") or None
     model_name = args.served_model_name or args.model or embedded_model_path().stem
+    EngineConfig(**engine_kwargs(args))  # a bad engine flag: exit 2 now, before the port opens
     llm_args = dict(model=args.model, dtype=args.dtype, device=args.device, **engine_kwargs(args))
     engine = AsyncLLMEngine(lambda: LLM(**llm_args).engine, warm_up=False if args.no_warm_up else "auto")
     app = build_app(engine, model_name, api_key, args.max_request_bytes)
@@ -260,5 +262,5 @@ def run_server(args) -> int:
                 "required" if api_key else "not required")
     server.run()
     if engine.load_error is not None:
-        raise ValueError(f"the model failed to load: {engine.load_error}")
+        raise ValueError(f"the engine could not be built: {engine.load_error}")
     return 0 if engine.dead is None else 1
