@@ -1,0 +1,248 @@
+"""Weight-only quantized GEMM: y = x W^T with W stored in 4 or 8 bits and dequantized in registers.
+
+Decode is memory-bound (chapter 00): a batch-1 step reads every weight once and does two FLOPs with
+it, so its time is the weights' bytes over the memory's bandwidth. Storing W in 4 bits instead of 16
+moves a quarter of the bytes, and the step can run up to 4x faster, if and only if the kernel never
+writes a 16-bit copy of W back to memory. So each program loads a tile of packed weights, turns it
+into activation-dtype numbers in registers and multiplies at once:
+
+    int4, group size G (W4A16):   W[n, k] = q[n, k] * scales[n, k // G] + mins[n, k // G]
+        q in 0..15, two per byte along K: qweight[n, k // 2] = q[n, 2j] | q[n, 2j + 1] << 4
+        (scales, mins): one pair per output row and group of G input columns. mins is the zero point
+        in the weight's domain (what q = 0 stands for): llama.cpp's Q4_1 min, torchao's float zero
+        point; an integer zero point z (AWQ/GPTQ's convention, W = (q - z) * s) is mins = -z * s.
+    int8, per output channel (W8A16): W[n, k] = q[n, k] * scales[n],  q in -127..127
+
+The tile loop is an ordinary tiled GEMM (fp32 accumulator, tl.dot) whose B tile is made, not loaded:
+  - int4: each K tile lies inside one group (BLOCK_K divides G), so a tile needs one scale and one
+    min per column. The packed byte of row k is loaded for both k = 2j and 2j + 1 (the second load
+    hits the cache) and shifted by 4 * (k % 2): vLLM's Triton MoE kernel unpacks the same way.
+  - int8: the dot runs on the raw q (integers up to 127 are exact in bf16 and fp16) and the channel's
+    scale multiplies the finished sum, once per output instead of once per weight.
+
+Decode has M <= 16 rows: one row of tiles across N is too few programs to keep the GPU's loads in
+flight (4096 columns / 64 = 64 programs for 132 SMs). Split-K cuts K into slices, each program sums
+one slice into an fp32 partial, and a sum over the slices finishes: enough programs for about two
+waves over the SMs (the same rule as FlashDecoding's split-KV, flash_decode.py). Prefill (M > 16) has
+plenty of programs and runs one slice. The tiles depend on M only through that one switch, so every
+M <= 16 gets the same summation order: a row's result does not depend on the batch it runs in.
+
+The references beside the kernel dequantize the whole weight and multiply (the oracle of the tests,
+and what minillm runs on a CPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ..checks import check_int
+from .checks import FLOAT_DTYPES, INTERPRET, check_device, check_float_tensor, check_tensor
+from .flash_attn import dot
+from .flash_decode import sm_count
+
+DECODE_M = 16  # up to this many rows: the decode tiles (one row of M, split-K)
+MAX_SPLIT_K = 16
+
+
+@triton.jit
+def _wna16_kernel(
+    X, QW, S, Mins, Y,  # x [M, K]; qweight [N, K/2] u8 or [N, K] i8; scales, mins [N, K/G] (int8: [N]); y
+    M, N, K, group_size, k_per_split,  # k_per_split: K columns per split-K slice, a multiple of BLOCK_K
+    stride_xm, stride_qn, stride_sn, stride_ym, stride_ysplit,
+    WEIGHT_BITS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of x and y
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output channels (rows of W)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+    w_cols = QW + offs_n.to(tl.int64)[None, :] * stride_qn  # [1, BLOCK_N]: W^T's columns are W's rows
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        k_ok = offs_k < K  # the last tile of an int8 weight may overhang K
+        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        if WEIGHT_BITS == 4:
+            # [BLOCK_K, BLOCK_N] bytes, each loaded for its two rows k = 2j, 2j + 1; low nibble first
+            packed = tl.load(w_cols + (offs_k // 2)[:, None], mask=n_ok[None, :], other=0)
+            q = (packed >> ((offs_k % 2) * 4).to(tl.uint8)[:, None]) & 0xF
+            g = k0 // group_size  # this tile's group (BLOCK_K divides the group size)
+            s = tl.load(S + offs_n * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)  # [BLOCK_N]
+            mn = tl.load(Mins + offs_n * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)
+            w = q.to(tl.float32) * s[None, :] + mn[None, :]  # [BLOCK_K, BLOCK_N], W^T's tile
+            acc = dot(x, w.to(x.dtype), acc, IEEE)  # rounded once to x's dtype, as the reference does
+        else:
+            q = tl.load(w_cols + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0)  # int8
+            acc = dot(x, q.to(x.dtype), acc, IEEE)  # the channel scale comes after the sum
+    if WEIGHT_BITS == 8:
+        acc *= tl.load(S + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y = Y + split.to(tl.int64) * stride_ysplit + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# ---- tiles ---------------------------------------------------------------------------------------
+
+
+def choose_tiles(M: int, N: int, K: int, group_size: int, device: torch.device, split_k: int | None):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, split_k, num_warps, num_stages) for an [M, K] x [K, N] product.
+
+    BLOCK_K divides the group size (a tile needs one scale per column). Decode (M <= DECODE_M) takes one
+    16-row tile and splits K until there are about two programs per SM; prefill takes wide tiles."""
+    if INTERPRET:  # small tiles, so that the CPU tests' small shapes cross several of each
+        bm, bn, bk, warps, stages = 16, 32, 32, 4, 1
+    elif M <= DECODE_M:
+        bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
+    else:
+        bm, bn, bk, warps, stages = (64 if M <= 64 else 128), 128, 64, (4 if M <= 64 else 8), 3
+    bk = math.gcd(bk, group_size)  # group_size is a multiple of 16: so is bk (tl.dot's least K)
+    k_tiles = triton.cdiv(K, bk)
+    if split_k is None:
+        programs = triton.cdiv(N, bn) * triton.cdiv(M, bm)
+        split_k = 1 if M > DECODE_M else triton.cdiv(2 * sm_count(device), programs)
+    split_k = max(1, min(split_k, k_tiles, MAX_SPLIT_K))
+    return bm, bn, bk, split_k, warps, stages
+
+
+def _launch(x, qweight, scales, mins, group_size, bits: int, split_k):
+    M, K = x.shape
+    N = qweight.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_()
+    bm, bn, bk, split_k, warps, stages = choose_tiles(M, N, K, group_size, x.device, split_k)
+    k_tiles = triton.cdiv(K, bk)
+    k_per_split = triton.cdiv(k_tiles, split_k) * bk
+    split_k = triton.cdiv(k_tiles * bk, k_per_split)  # no empty slices
+    # one slice writes y itself; several write fp32 partials that one sum finishes (deterministic,
+    # unlike atomics, so the same input always gives the same bits)
+    out = y if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split_k)
+    _wna16_kernel[grid](
+        x, qweight, scales, mins if mins is not None else scales, out,
+        M, N, K, group_size, k_per_split,
+        x.stride(0), qweight.stride(0), scales.stride(0), N, M * N,
+        WEIGHT_BITS=bits, IEEE=x.dtype == torch.float32,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+    )
+    if split_k > 1:
+        y.copy_(out.sum(dim=0))  # [split_k, M, N] fp32 -> [M, N], rounded once
+    return y
+
+
+# ---- checks --------------------------------------------------------------------------------------
+
+
+def _check(x, qweight, scales, mins, group_size, bits: int, strict: bool, split_k=None) -> None:
+    """x [M, K] float; int4: qweight uint8 [N, K/2], scales and mins [N, K/G]; int8: qweight int8
+    [N, K], scales [N]. Every wrong input is a TypeError/ValueError here, never a Triton error."""
+    check_float_tensor("x", x, FLOAT_DTYPES if strict else None, dims=2, layout="[num_tokens, in_features]",
+                       contiguous=strict)
+    K = x.shape[1]
+    check_tensor("qweight", qweight)
+    want_dtype, packing = (torch.uint8, 2) if bits == 4 else (torch.int8, 1)
+    if qweight.dtype != want_dtype:
+        raise TypeError(f"qweight of a W{bits}A16 GEMM must be {want_dtype}, got {qweight.dtype}")
+    if qweight.dim() != 2 or qweight.shape[1] * packing != K:
+        want = "[out_features, in_features / 2] (two 4-bit values per byte)" if bits == 4 else \
+            "[out_features, in_features]"
+        raise ValueError(f"qweight must be {want} with in_features = x.shape[1] = {K}, got {tuple(qweight.shape)}")
+    if strict and qweight.shape[1] > 1 and qweight.stride(1) != 1:
+        raise ValueError(f"qweight's last dim must be contiguous (stride 1), got strides {qweight.stride()}")
+    N = qweight.shape[0]
+    if bits == 4:
+        check_int("group_size", group_size)
+        if group_size % 16:
+            raise ValueError(f"group_size must be a multiple of 16 (the kernel's least K tile), not {group_size}")
+        if K % group_size:
+            raise ValueError(f"group_size {group_size} must divide in_features {K}")
+        shape = (N, K // group_size)
+    else:
+        shape = (N,)
+    check_float_tensor("scales", scales, FLOAT_DTYPES if strict else None, contiguous=strict)
+    if tuple(scales.shape) != shape:
+        raise ValueError(f"scales must have shape {list(shape)}, got {tuple(scales.shape)}")
+    if bits == 4:
+        check_float_tensor("mins", mins, FLOAT_DTYPES if strict else None, contiguous=strict)
+        if mins.shape != scales.shape or mins.dtype != scales.dtype or mins.stride() != scales.stride():
+            raise ValueError(f"mins must match scales (shape {list(shape)}, {scales.dtype}, strides "
+                             f"{scales.stride()}), got {tuple(mins.shape)}, {mins.dtype}, {mins.stride()}")
+    tensors = {"qweight": qweight, "scales": scales} | ({"mins": mins} if bits == 4 else {})
+    for name, t in tensors.items():
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    check_int("split_k", split_k, optional=True)
+    if strict:
+        check_device("x", x)
+        if INTERPRET and x.dtype == torch.bfloat16:  # seen with Triton 3.9: bf16 tl.dot returns garbage
+            raise TypeError("Triton's CPU interpreter gets bfloat16 tl.dot wrong: use float32 or float16 on a CPU")
+
+
+# ---- the public functions: kernel and reference ----------------------------------------------------
+
+
+def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+               group_size: int, *, split_k: int | None = None) -> torch.Tensor:
+    """x [M, K] @ dequant(qweight)^T -> [M, N] in x's dtype, the int4 weight never dequantized in memory.
+
+    qweight uint8 [N, K/2] (pack_int4), scales and mins [N, K/group_size]; split_k None chooses."""
+    _check(x, qweight, scales, mins, group_size, 4, strict=True, split_k=split_k)
+    return _launch(x, qweight, scales, mins, group_size, 4, split_k)
+
+
+def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *,
+               split_k: int | None = None) -> torch.Tensor:
+    """x [M, K] @ (qweight * scales[:, None])^T -> [M, N] in x's dtype; qweight int8 [N, K], scales [N]."""
+    _check(x, qweight, scales, None, None, 8, strict=True, split_k=split_k)
+    # One group spans the whole row: any tile size divides it (16 * 8: the kernel's preferred K tile).
+    return _launch(x, qweight, scales, None, 128, 8, split_k)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] integers in 0..15 -> uint8 [N, K/2], two per byte along K: low nibble = even k."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> uint8 [N, K] in 0..15 (pack_int4's inverse)."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)  # [N, K/2, 2] -> [N, K]
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The [N, K] weight the int4 layout stands for, computed in fp32 and rounded once to `dtype`
+    (default: the scales' dtype)."""
+    q = unpack_int4(qweight).float()  # [N, K]
+    N, K = q.shape
+    w = q.view(N, K // group_size, group_size) * scales.float()[..., None] + mins.float()[..., None]
+    return w.view(N, K).to(dtype or scales.dtype)
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The [N, K] weight the int8 layout stands for: q * scale of its row."""
+    return (qweight.float() * scales.float()[:, None]).to(dtype or scales.dtype)
+
+
+def w4a16_gemm_ref(x, qweight, scales, mins, group_size: int, *, split_k: int | None = None) -> torch.Tensor:
+    """w4a16_gemm in plain PyTorch: the whole weight dequantized to x's dtype, then one matmul."""
+    _check(x, qweight, scales, mins, group_size, 4, strict=False, split_k=split_k)
+    return F.linear(x, dequantize_int4(qweight, scales, mins, group_size, x.dtype))
+
+
+def w8a16_gemm_ref(x, qweight, scales, *, split_k: int | None = None) -> torch.Tensor:
+    """w8a16_gemm in plain PyTorch: the whole weight dequantized to x's dtype, then one matmul."""
+    _check(x, qweight, scales, None, None, 8, strict=False, split_k=split_k)
+    return F.linear(x, dequantize_int8(qweight, scales, x.dtype))
