@@ -12,6 +12,10 @@ block_size, num_gpu_blocks, gpu_memory_utilization, enable_prefix_caching, max_n
 max_num_batched_tokens, preemption_mode, enforce_eager, ...) pass through as keyword arguments.
 Everything a request carries is checked before any request runs, so one bad prompt fails fast with
 a clear error.
+
+`quantization` stores the linear layers' weights in fewer bits (chapter 08): "int8" (per output
+channel), "int4" (groups of 128 inputs) or {"method": "int4", "group_size": 32 | 64 | 128}; the
+options live in one dict so that methods with more of them (AWQ, GPTQ) fit the same argument.
 """
 
 from __future__ import annotations
@@ -56,14 +60,14 @@ def _dtype(dtype, device: torch.device) -> torch.dtype:
 
 class LLM:
     def __init__(self, model=None, dtype="auto", device="auto", load_format: str = "auto",
-                 enable_kv_cache: bool = True, **engine_args):
+                 enable_kv_cache: bool = True, quantization=None, **engine_args):
         if not isinstance(enable_kv_cache, bool):
             raise TypeError(f"enable_kv_cache must be True or False, not {enable_kv_cache!r}")
         self.enable_kv_cache = enable_kv_cache
         self.device = _device(device)
         self.dtype = _dtype(dtype, self.device)
         self.model, self.config, self.tokenizer = load_model(model, dtype=self.dtype, device=self.device,
-                                                             load_format=load_format)
+                                                             load_format=load_format, quantization=quantization)
         if self.tokenizer is None:
             raise ValueError("dummy weights have no tokenizer: use LLM only with real models")
         eos = self.config.eos_token_ids or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])

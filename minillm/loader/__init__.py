@@ -3,6 +3,11 @@
     model, config, tokenizer = load_model(None)                     # the embedded SmolLM2 (GGUF)
     model, config, tokenizer = load_model("path/to/hf-folder")
     model, config, tokenizer = load_model("qwen3-0.6b", load_format="dummy")   # real shapes, random weights
+    model, config, tokenizer = load_model(None, quantization="int8")   # linear weights quantized after loading
+
+`quantization` takes what layers/quantization/ takes: None, "int8", "int4", {"method": "int4",
+"group_size": 64} or a QuantizationConfig. The checkpoint's full-precision weights load as usual and
+each linear layer quantizes its own once it is complete; the embedding and LM head stay as they are.
 """
 
 from __future__ import annotations
@@ -14,20 +19,23 @@ import torch
 
 from ..config import ModelConfig, preset
 from ..layers import RotaryEmbedding
+from ..layers.quantization import get_quantization_config
 from ..model_files import resolve_source
 from ..models import get_model_class
+from ..models.utils import process_weights_after_loading
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 
 
 def load_model(source=None, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               load_format: str = "auto", tokenizer: bool = True):
+               load_format: str = "auto", tokenizer: bool = True, quantization=None):
     """-> (model in eval mode, its ModelConfig, its Tokenizer or None)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, not {load_format!r}")
+    quant_config = get_quantization_config(quantization)  # an unknown name fails before anything loads
     device = torch.device(device)
     if load_format == "dummy":
-        return _dummy(source, dtype, device)
+        return _dummy(source, dtype, device, quant_config)
     path = resolve_source(source)
     if path.is_file() and path.suffix == ".gguf":
         from . import gguf_loader
@@ -37,16 +45,16 @@ def load_model(source=None, *, dtype: torch.dtype = torch.float32, device: torch
     elif path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").is_file() and ggufs:
-            return load_model(ggufs[0], dtype=dtype, device=device, tokenizer=tokenizer)
+            return load_model(ggufs[0], dtype=dtype, device=device, tokenizer=tokenizer, quantization=quant_config)
         from . import hf_loader
 
         config = hf_loader.read_config(path)
         weights = hf_loader.iter_weights(path, dtype, device)
     else:
         raise ValueError(f"cannot load a model from {path}: expected a .gguf file or a Hugging Face model folder")
-    model = _build(config, dtype, device)
+    model = _build(config, dtype, device, quant_config)
     with torch.no_grad():
-        model.load_weights(weights)
+        model.load_weights(weights)  # ends with each layer's process_weights_after_loading
     tok = None
     if tokenizer:
         from ..tokenizer import load_tokenizer
@@ -77,8 +85,9 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def _dummy(source, dtype, device):
-    """Random weights for any config, the way vLLM's load_format="dummy" works: for speed work."""
+def _dummy(source, dtype, device, quant_config=None):
+    """Random weights for any config, the way vLLM's load_format="dummy" works: for speed work (with a
+    quant_config, the random full-precision weights are then quantized like loaded ones)."""
     if isinstance(source, ModelConfig):
         config = source
     elif isinstance(source, str) and not Path(source).exists():
@@ -86,7 +95,7 @@ def _dummy(source, dtype, device):
     else:
         path = resolve_source(source)
         config = _config_of(path)
-    model = _build(config, dtype, device)
+    model = _build(config, dtype, device, quant_config)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -94,6 +103,7 @@ def _dummy(source, dtype, device):
                 p.fill_(1.0)
             else:  # small values keep activations finite through many layers
                 p.uniform_(-1e-2, 1e-2, generator=gen)
+        process_weights_after_loading(model)
     return model.eval(), config, None
 
 

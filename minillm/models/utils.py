@@ -60,10 +60,16 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     missing = sorted(expected_keys(model) - done)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
-    for module in model.modules():  # a quantized layer may repack its weight now that it is complete
+    process_weights_after_loading(model)
+    return done
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Each layer's quant_method finishes its weights now that they are complete (a quantized layer
+    quantizes or repacks them, layers/quantization/)."""
+    for module in model.modules():
         if (method := getattr(module, "quant_method", None)) is not None:
             method.process_weights_after_loading(module)
-    return done
 
 
 def expected_keys(model: nn.Module) -> set[str]:

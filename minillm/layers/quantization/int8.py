@@ -1,0 +1,33 @@
+"""int8 weight-only quantization (W8A16): one int8 per weight and one scale per output channel.
+
+    LLM(quantization="int8")
+
+Half the bytes of a bf16 weight (8 bits + 16 per row of K), so a memory-bound decode step can be up to
+2x faster; 255 levels per row keep the layer's output at 40-50 dB SQNR, so greedy tokens rarely move.
+Activations stay in the model's dtype; the embedding and the LM head are not quantized (weight_only.py).
+"""
+
+from __future__ import annotations
+
+from ...kernels.w4a16 import w8a16_gemm, w8a16_gemm_ref
+from .utils import quantize_int8
+from .weight_only import WeightOnlyConfig, WeightOnlyLinearMethod
+
+
+class Int8Config(WeightOnlyConfig):
+    name = "int8"
+
+    def method(self):
+        return Int8LinearMethod()
+
+
+class Int8LinearMethod(WeightOnlyLinearMethod):
+    """qweight int8 [out, in], scales [out] (the model's dtype); y = x (q * s)^T + b."""
+
+    def quantize(self, weight):
+        q, scales = quantize_int8(weight)
+        return {"qweight": q, "scales": scales}
+
+    def matmul(self, layer, x, triton):
+        gemm = w8a16_gemm if triton else w8a16_gemm_ref
+        return gemm(x, layer.qweight, layer.scales)
