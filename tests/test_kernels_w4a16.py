@@ -29,7 +29,10 @@ from minillm.kernels.w4a16 import (
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
 DTYPES = [torch.float32, torch.float16] + ([] if INTERPRETED else [torch.bfloat16])
-TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}  # relative (Frobenius) error
+# relative (Frobenius) error; bf16 is looser because int8's kernel scales the fp32 sum while the
+# reference rounds each dequantized weight to bf16 first (2^-9 each): on 7 outputs of K = 33 the two
+# differ by up to 7e-3 (H100)
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1.5e-2}
 needs_cuda = pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -105,8 +108,9 @@ def test_decode_rows_do_not_depend_on_the_batch(g):
     full = w4a16_gemm(x, qweight, scales, mins, 32)
     for M in (1, 5):
         assert torch.equal(w4a16_gemm(x[:M].contiguous(), qweight, scales, mins, 32), full[:M])
-    assert choose_tiles(1, 4096, 4096, 128, torch.device(DEVICE), None) == \
-        choose_tiles(16, 4096, 4096, 128, torch.device(DEVICE), None)
+    for dtype in DTYPES:
+        assert choose_tiles(1, 4096, 4096, 128, dtype, torch.device(DEVICE), None) == \
+            choose_tiles(16, 4096, 4096, 128, dtype, torch.device(DEVICE), None)
 
 
 def test_empty_inputs(g):
@@ -119,8 +123,8 @@ def _bad_int4_calls(g):
     x = torch.randn(2, 64, generator=g).to(DEVICE)
     yield (x, qweight.to(torch.int8), scales, mins, 32), TypeError, "qweight of a W4A16 GEMM must be torch.uint8"
     yield (x[:, :32], qweight, scales, mins, 32), ValueError, r"in_features = x.shape\[1\] = 32"
-    yield (x, qweight, scales, mins, 48), ValueError, "group_size 48 must divide in_features 64"
-    yield (x, qweight, scales, mins, 24), ValueError, "group_size must be a multiple of 16"
+    yield (x, qweight, scales, mins, 128), ValueError, "group_size 128 must divide in_features 64"
+    yield (x, qweight, scales, mins, 16), ValueError, "group_size must be a multiple of 32"
     yield (x, qweight, scales, mins, 0), ValueError, "group_size must be a positive int"
     yield (x, qweight, scales[:, :1], mins, 32), ValueError, r"scales must have shape \[8, 2\]"
     yield (x, qweight, scales, mins.half(), 32), ValueError, "mins must match scales"
