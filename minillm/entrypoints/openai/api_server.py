@@ -4,6 +4,7 @@
     curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
 
+    GET  /                      the chat page (static/: HTML, JS and CSS, no CDN)
     GET  /health                503 while the model loads and warms up (and once shutdown began), then 200
     GET  /metrics               Prometheus text (metrics.py)
     GET  /v1/models             the one model served
@@ -32,11 +33,13 @@ import logging
 import os
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...engine.async_llm_engine import AsyncLLMEngine, EngineNotReady
@@ -47,6 +50,11 @@ from .serving_completion import OpenAIServingCompletion
 from .serving_engine import APIError
 
 logger = logging.getLogger("minillm.serve")
+
+STATIC = Path(__file__).with_name("static")
+# the page runs only its own files and talks only to this server
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; style-src 'self'; script-src 'self'",
+                "X-Content-Type-Options": "nosniff"}
 
 
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
@@ -67,6 +75,12 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     chat = OpenAIServingChat(engine, model_name)
     app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes, metrics=metrics)
     _add_error_handlers(app)
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page():
+        return FileResponse(STATIC / "index.html", headers=PAGE_HEADERS)
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.get("/health")
     async def health():
