@@ -196,3 +196,59 @@ def test_bad_arguments_and_dead_server():
     with pytest.raises(RuntimeError, match="did not answer|ConnectError|connect"):
         run(f"http://127.0.0.1:{free_port()}", workload="prompts", num_prompts=1, max_tokens=2, model="m",
             no_progress=True)
+
+
+# ---- lab 12's checks: the solution passes, the classic slips fail ---------------------------------
+
+def _lab12():
+    import jupytext
+
+    from minillm.labs import ch12
+
+    ns: dict = {}
+    path = __import__("pathlib").Path(__file__).resolve().parent.parent / "notebooks" / "labs" / "12_serving.py"
+    for cell in jupytext.read(path).cells:
+        if cell.cell_type == "code" and "check" not in cell.metadata.get("tags", []):
+            exec(compile(cell.source, path.name, "exec"), ns)
+    return ch12, ns
+
+
+def test_lab12_checks_pass_the_solution_and_catch_slips():
+    from minillm.labs import CheckFailed
+
+    ch12, lab = _lab12()
+    assert ch12.check_request_metrics(lab["request_metrics"]).passed
+    assert ch12.check_goodput(lab["goodput"]).passed
+    assert ch12.check_parse_sse(lab["parse_sse"]).passed
+    metrics = lab["request_metrics"]
+
+    def over_n(start, times, n):  # TPOT over all n tokens
+        ttft_, tpot_, itl_, e2e_ = metrics(start, times, n)
+        n = len(times) if n is None else n
+        return ttft_, None if tpot_ is None else tpot_ * (n - 1) / n, itl_, e2e_
+
+    def per_chunk(start, times, n):  # TPOT over chunks, ignoring the usage
+        return metrics(start, times, None)
+
+    def throughput(requests, slo, duration):  # every successful request counted, SLOs or not
+        return sum(ok for *_, ok in requests) / duration
+
+    def sse(chunks, strip=True, eol=r"\r\n|\r|\n", keep_last=False):
+        import re
+
+        events, data = [], []
+        lines = re.split(eol, b"".join(chunks).decode())
+        for line in lines if keep_last else lines[:-1]:
+            if line == "":
+                events += ["\n".join(data)] if data else []
+                data = []
+            elif line == "data" or line.startswith("data:"):
+                data.append(line[5:].removeprefix(" ") if strip else line[5:])
+        return events + (["\n".join(data)] if keep_last and data else [])
+
+    assert ch12.check_parse_sse(sse).passed
+    sse_slips = [lambda c: sse(c, strip=False), lambda c: sse(c, eol=r"\r?\n"), lambda c: sse(c, keep_last=True)]
+    for check, slip in [(ch12.check_request_metrics, over_n), (ch12.check_request_metrics, per_chunk),
+                        (ch12.check_goodput, throughput)] + [(ch12.check_parse_sse, slip) for slip in sse_slips]:
+        with pytest.raises(CheckFailed):
+            check(slip)

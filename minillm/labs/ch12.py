@@ -1,0 +1,110 @@
+"""Checks for lab 12: a serving benchmark's arithmetic and the stream it reads.
+
+The references are the functions `minillm bench serve` itself uses (minillm/bench/serve_metrics.py):
+TTFT, TPOT, ITL and E2E of one request from its chunk timestamps, goodput under two SLOs, and the
+server-sent-events parser. Each check draws fresh random requests and streams.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from ..bench import serve_metrics as sm
+from .checker import check
+
+
+def _close(got, want) -> bool:
+    """Equal, floats to 1e-9 (relative), through tuples and lists; None only equals None."""
+    if want is None or isinstance(want, (str, bool)):
+        return got == want
+    if isinstance(want, float):
+        return isinstance(got, (int, float)) and not isinstance(got, bool) and math.isclose(got, want, rel_tol=1e-9,
+                                                                                           abs_tol=1e-12)
+    if isinstance(want, (tuple, list)):
+        return isinstance(got, (tuple, list)) and len(got) == len(want) and all(map(_close, got, want))
+    return got == want
+
+
+def _request(rng: random.Random):
+    """(start, chunk_times, output_tokens): chunks may hold several tokens; the usage may be missing."""
+    start = rng.uniform(0, 1000)
+    times, t = [], start + rng.expovariate(1 / 0.2)  # TTFT
+    for _ in range(rng.choice([1, 1, 2, rng.randint(3, 30)])):
+        times.append(t)
+        t += rng.expovariate(1 / 0.02)
+    tokens = rng.choice([None, len(times), len(times) + rng.randint(0, 3 * len(times))])
+    return start, times, tokens
+
+
+def reference_request_metrics(start, chunk_times, output_tokens):
+    n = len(chunk_times) if output_tokens is None else output_tokens
+    return (sm.ttft(start, chunk_times), sm.tpot(start, chunk_times, n), sm.itl(chunk_times),
+            sm.e2e(start, chunk_times))
+
+
+def check_request_metrics(fn, cases: int = 300):
+    """fn(start, chunk_times, output_tokens) -> (ttft, tpot, itl, e2e) in seconds: tpot None below two
+    tokens; itl a list; output_tokens None means the server sent no usage (count the chunks)."""
+    return check("request_metrics", lambda *c: _tuple(fn(*c)), reference_request_metrics,
+                 lambda rng: _request(rng), cases=cases, equal=_close)
+
+
+def _tuple(out):
+    return tuple(list(x) if isinstance(x, (list, tuple)) else x for x in out) if isinstance(out, (tuple, list)) \
+        else out
+
+
+def _goodput_case(rng: random.Random):
+    requests = []
+    for _ in range(rng.randint(1, 12)):
+        start, times, tokens = _request(rng)
+        ok = rng.random() < 0.85
+        requests.append((start, times if ok else [], tokens if ok else None, ok))
+    slo = (rng.choice([50.0, 150.0, 300.0, 1000.0]), rng.choice([5.0, 15.0, 25.0, 100.0]))
+    return requests, slo, rng.uniform(1, 100)
+
+
+def reference_goodput(requests, slo_ms, duration):
+    results = [sm.RequestResult(start, list(times), tokens, success=ok) for start, times, tokens, ok in requests]
+    return sm.goodput(results, tuple(slo_ms), duration)
+
+
+def check_goodput(fn, cases: int = 300):
+    """fn(requests, slo_ms, duration) -> good requests per second; requests are (start, chunk_times,
+    output_tokens, success), slo_ms is (ttft_ms, tpot_ms)."""
+    return check("goodput", fn, reference_goodput, _goodput_case, cases=cases, equal=_close)
+
+
+_TEXT = "ab {}\":,é😀 [DONE]"
+
+
+def _sse_case(rng: random.Random):
+    """A stream of events (data of one or more lines, comments, other fields, the three line ends),
+    maybe ending in an unfinished event, cut into random byte pieces (through UTF-8 characters too)."""
+    lines = []
+    for _ in range(rng.randint(1, 6)):
+        block = []
+        if rng.random() < 0.2:
+            block.append(": keep-alive")
+        if rng.random() < 0.2:
+            block.append(rng.choice(["event: message", "id: 7", "retry: 1000"]))
+        for _ in range(rng.choice([0, 1, 1, 1, 2, 3])):
+            value = "".join(rng.choice(_TEXT) for _ in range(rng.randint(0, 10)))
+            block.append(rng.choice(["data: ", "data:", "data:  "]) + value if value or rng.random() < 0.7 else "data")
+        lines.append(block)
+    eol = rng.choice(["\n", "\r\n", "\r", None])  # None: a mix
+    text = ""
+    for block in lines:
+        for line in [*block, ""]:
+            text += line + (eol or rng.choice(["\n", "\r\n", "\r"]))
+    if rng.random() < 0.2:
+        text += "data: never finished"
+    data = text.encode()
+    cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randint(0, 8)))) if len(data) > 1 else []
+    return ([data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])],)
+
+
+def check_parse_sse(fn, cases: int = 300):
+    """fn(chunks: list[bytes]) -> list[str]: every event's data, in order."""
+    return check("parse_sse", fn, sm.parse_sse, _sse_case, cases=cases)
