@@ -18,7 +18,9 @@ from dataclasses import asdict, dataclass, field, replace
 from .checks import check_int
 from .models.registry import hf_architectures, model_type_of, model_types
 
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "yarn")  # yarn: DeepSeek-V2/V3 (layers/mla.py)
+SCORING_FUNCS = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
 @dataclass
@@ -32,6 +34,12 @@ class MoEConfig:
     num_shared_experts: int = 0  # experts every token runs (DeepSeek, Qwen2-MoE)
     scoring_func: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
     routed_scaling_factor: float = 1.0
+    # greedy: the top_k of all experts; group_limited_greedy (DeepSeek-V2) and noaux_tc (V3, with a
+    # score-correction bias): only from the topk_group best of n_group expert groups (layers/moe.py)
+    topk_method: str = "greedy"
+    n_group: int | None = None
+    topk_group: int | None = None
+    dense_layers: tuple[int, ...] = ()  # layers that run an ordinary MLP instead (DeepSeek's first_k_dense_replace)
 
     def __post_init__(self):
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
@@ -40,6 +48,25 @@ class MoEConfig:
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"config moe.num_experts_per_tok ({self.num_experts_per_tok}) must be <= "
                              f"num_experts ({self.num_experts})")
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(f"config moe.scoring_func must be one of {', '.join(SCORING_FUNCS)}, "
+                             f"not {self.scoring_func!r}")
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"config moe.topk_method must be one of {', '.join(TOPK_METHODS)}, "
+                             f"not {self.topk_method!r}")
+        self.dense_layers = tuple(self.dense_layers)
+        if self.topk_method != "greedy":
+            check_int("n_group", self.n_group, prefix="config moe.")
+            check_int("topk_group", self.topk_group, prefix="config moe.")
+            if self.num_experts % self.n_group or self.topk_group > self.n_group:
+                raise ValueError(f"config moe: n_group ({self.n_group}) must divide num_experts ({self.num_experts}) "
+                                 f"and topk_group ({self.topk_group}) must be <= n_group")
+            if self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
+                raise ValueError(f"config moe.num_experts_per_tok ({self.num_experts_per_tok}) must be <= the "
+                                 f"experts of topk_group ({self.topk_group}) groups")
+            if self.topk_method == "noaux_tc" and self.num_experts // self.n_group < 2:
+                raise ValueError("config moe: noaux_tc scores a group by its best two experts; "
+                                 f"{self.num_experts} experts in {self.n_group} groups leave fewer")
 
 
 @dataclass
@@ -51,11 +78,16 @@ class MLAConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     q_lora_rank: int | None = None  # None: q is projected directly, without a low-rank bottleneck
+    # RoPE pairs coordinates (2i, 2i+1) (DeepSeek's checkpoints) instead of (i, i + d/2) (Llama's)
+    rope_interleave: bool = True
 
     def __post_init__(self):
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             check_int(name, getattr(self, name), prefix="config mla.")
         check_int("q_lora_rank", self.q_lora_rank, optional=True, prefix="config mla.")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"config mla.qk_rope_head_dim must be even for rotary embeddings, "
+                             f"not {self.qk_rope_head_dim}")
 
 
 @dataclass
@@ -103,6 +135,8 @@ class ModelConfig:
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"rope scaling {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        if rope_type == "yarn" and self.mla is None:
+            raise ValueError("rope scaling 'yarn' is supported for latent-attention (DeepSeek) models only")
         if len(self.sliding_windows) != self.num_layers:
             raise ValueError(f"sliding_windows has {len(self.sliding_windows)} entries for {self.num_layers} layers")
 
@@ -135,6 +169,9 @@ class ModelConfig:
             raise ValueError(f"model {archs or cfg.get('model_type')!r} is not supported; supported: {hf_architectures()}")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        mla = _mla_config(cfg, arch)
+        if mla is not None:  # the only per-head dim RoPE sees (transformers sets head_dim the same way)
+            head_dim = mla.qk_rope_head_dim
         # transformers 5 writes rope_parameters={"rope_theta":..., "rope_type":...}; 4 wrote rope_theta + rope_scaling
         rope = dict(cfg.get("rope_parameters") or {})
         theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -163,13 +200,13 @@ class ModelConfig:
             qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
             o_bias=arch != "qwen2" and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             sliding_windows=_sliding_windows(arch, cfg, layers),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             name=name,
-            moe=_moe_config(cfg),
-            mla=_mla_config(cfg),
+            moe=_moe_config(cfg, arch, layers),
+            mla=mla,
         )
 
     @classmethod
@@ -208,26 +245,42 @@ class ModelConfig:
         )
 
 
-def _moe_config(cfg: dict) -> MoEConfig | None:
+def _moe_config(cfg: dict, arch: str, layers: int) -> MoEConfig | None:
     """Routed experts, under the names the families use (Mixtral: num_local_experts; Qwen-MoE:
-    num_experts; DeepSeek: n_routed_experts)."""
+    num_experts; DeepSeek: n_routed_experts), and which layers keep a dense MLP."""
     n = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
     if not n:
         return None
+    if arch.startswith("deepseek"):  # layers >= first_k_dense_replace, every moe_layer_freq-th, are MoE
+        first, freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
+        dense = [i for i in range(layers) if i < first or i % freq]
+    else:  # Qwen-MoE: mlp_only_layers, and a MoE layer every decoder_sparse_step layers
+        step, only = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or [])
+        dense = [i for i in range(layers) if i in only or (i + 1) % step]
+    v3 = arch == "deepseek_v3"  # transformers' V3 always routes by sigmoid, groups and a correction bias
     return MoEConfig(num_experts=n, num_experts_per_tok=cfg["num_experts_per_tok"],
                      moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
                      norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
                      num_shared_experts=cfg.get("n_shared_experts") or 0,
-                     scoring_func=cfg.get("scoring_func", "softmax"),
-                     routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)))
+                     scoring_func=cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax"),
+                     routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                     topk_method=cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy"),
+                     n_group=cfg.get("n_group") or (1 if v3 else None),
+                     topk_group=cfg.get("topk_group") or (1 if v3 else None), dense_layers=tuple(dense))
 
 
-def _mla_config(cfg: dict) -> MLAConfig | None:
+def _mla_config(cfg: dict, arch: str) -> MLAConfig | None:
     if not cfg.get("kv_lora_rank"):
         return None
-    return MLAConfig(kv_lora_rank=cfg["kv_lora_rank"], qk_nope_head_dim=cfg["qk_nope_head_dim"],
-                     qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
-                     q_lora_rank=cfg.get("q_lora_rank"))
+    mla = MLAConfig(kv_lora_rank=cfg["kv_lora_rank"], qk_nope_head_dim=cfg["qk_nope_head_dim"],
+                    qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
+                    q_lora_rank=cfg.get("q_lora_rank"),
+                    rope_interleave=arch != "deepseek_v3" or bool(cfg.get("rope_interleave", True)))
+    qk_head_dim = cfg.get("qk_head_dim")
+    if qk_head_dim is not None and qk_head_dim != mla.qk_nope_head_dim + mla.qk_rope_head_dim:
+        raise ValueError(f"qk_head_dim ({qk_head_dim}) must be qk_nope_head_dim + qk_rope_head_dim "
+                         f"({mla.qk_nope_head_dim} + {mla.qk_rope_head_dim})")
+    return mla
 
 
 def _sliding_windows(arch: str, cfg: dict, layers: int) -> list[int | None]:
@@ -255,6 +308,26 @@ PRESETS = {
     "llama-3-8b": dict(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
                        rms_norm_eps=1e-5, rope_theta=5e5),
+    # chapter 10: routed experts (Qwen3-30B-A3B fits an 80 GB GPU in bf16, Mixtral-8x7B needs about 94 GB)
+    "qwen3-30b-a3b": dict(architecture="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, max_position_embeddings=40960,
+                          rms_norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
+                          moe=MoEConfig(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)),
+    "mixtral-8x7b": dict(architecture="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=32768,
+                         rms_norm_eps=1e-5, rope_theta=1e6,
+                         moe=MoEConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336)),
+    # latent attention (kv_lora_rank 512 + rope 64 cached per token and layer) and 64 routed + 2 shared experts
+    "deepseek-v2-lite": dict(architecture="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+                             num_layers=27, num_heads=16, num_kv_heads=16, head_dim=64, max_position_embeddings=163840,
+                             rms_norm_eps=1e-6, rope_theta=10000.0,
+                             rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                           "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707,
+                                           "mscale_all_dim": 0.707},
+                             moe=MoEConfig(num_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
+                                           norm_topk_prob=False, num_shared_experts=2, dense_layers=(0,)),
+                             mla=MLAConfig(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                           v_head_dim=128)),
 }
 
 

@@ -22,6 +22,25 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=1, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=24, num_attention_heads=6, num_key_value_heads=2)),
 }
+# chapter 10: routed experts, latent attention (kv_lora_rank a power of two for the Triton kernel)
+_MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24,
+            moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1)
+MOE_FAMILIES = {
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=24, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                         norm_topk_prob=True, mlp_only_layers=[1])),
+    # V2: softmax routing inside the 2 best of 4 groups, no q LoRA, YaRN RoPE with mscale
+    "deepseek_v2": ("DeepseekV2Config", _MLA | dict(
+        n_routed_experts=8, num_experts_per_tok=2, q_lora_rank=None, topk_method="group_limited_greedy",
+        n_group=4, topk_group=2, routed_scaling_factor=1.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 64})),
+    # V3: sigmoid scores with a correction bias, groups, renormalised and scaled; q LoRA
+    "deepseek_v3": ("DeepseekV3Config", _MLA | dict(
+        n_routed_experts=8, num_experts_per_tok=3, q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True,
+        routed_scaling_factor=2.5)),
+}
+
 
 
 def make_tiny(family: str, folder: Path, max_shard_size: str | None = None, **config) -> Path:
@@ -31,7 +50,7 @@ def make_tiny(family: str, folder: Path, max_shard_size: str | None = None, **co
     from minillm.tokenizer import save_tokenizer_json, train_bpe
     from minillm.tokenizer.samples import FIXED
 
-    cls_name, extra = FAMILIES[family]
+    cls_name, extra = FAMILIES[family] if family in FAMILIES else MOE_FAMILIES[family]
     cfg = getattr(transformers, cls_name)(**(_BASE | extra | config))
     if cls_name == "Qwen3Config":
         cfg.hidden_size = 64
@@ -41,6 +60,9 @@ def make_tiny(family: str, folder: Path, max_shard_size: str | None = None, **co
         for p in model.parameters():
             if p.dim() >= 1:
                 p.normal_(0, 0.2 if p.dim() > 1 else 0.5).add_(1.0 if p.dim() == 1 else 0.0)
+        for name, b in model.named_buffers():  # DeepSeek-V3's routing bias: nonzero, so that it matters
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.3)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     tok = train_bpe("\n".join(FIXED) * 2, vocab_size=VOCAB, special_tokens=["<|end|>"])

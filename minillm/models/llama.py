@@ -93,7 +93,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
+        self.mlp = self.make_mlp(config, layer, quant_config, f"{prefix}.mlp")
+
+    def make_mlp(self, config: ModelConfig, layer: int, quant_config, prefix: str) -> nn.Module:
+        """The block after attention; a MoE family (models/mixtral.py) returns its experts here."""
+        return LlamaMLP(config, quant_config, prefix)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 attn_metadata: AttentionMetadata, cos_sin: tuple[torch.Tensor, torch.Tensor]):
@@ -108,13 +112,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    decoder_layer_cls = LlamaDecoderLayer  # a family that changes only the layer sets its own
+    rotary_emb_cls = RotaryEmbedding
+
     def __init__(self, config: ModelConfig, quant_config: QuantizationConfig | None = None, prefix: str = "model"):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config,
                                                    f"{prefix}.embed_tokens")
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+        self.rotary_emb = self.rotary_emb_cls(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                           config.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, quant_config, f"{prefix}.layers.{i}")
+        self.layers = nn.ModuleList(self.decoder_layer_cls(config, i, quant_config, f"{prefix}.layers.{i}")
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -131,11 +138,12 @@ class LlamaForCausalLM(nn.Module):
     # checkpoint tensor -> (our stacked parameter, which shard of it)
     stacked_params_mapping = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
                               ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+    model_cls = LlamaModel
 
     def __init__(self, config: ModelConfig, quant_config: QuantizationConfig | None = None):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, quant_config, "model")
+        self.model = self.model_cls(config, quant_config, "model")
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config, "lm_head")
         if config.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)

@@ -1,6 +1,8 @@
 """Which model file serves which architecture: the one table a new family is added to.
 
     "llama"  -> minillm/models/llama.py, LlamaForCausalLM   (also Mistral, Qwen2, Qwen3)
+    "mixtral", "qwen3_moe" -> routed experts under Llama's attention (chapter 10)
+    "deepseek_v2"  -> latent attention (MLA) and routed + shared experts; also DeepSeek-V3
 
 A family is a file in this folder and a line here. The file is imported only when a model of that
 family is built, so a family whose code needs something heavy costs nothing to the others; the
@@ -19,6 +21,10 @@ _MODELS: dict[str, tuple[str, str] | type] = {
     "mistral": ("llama", "LlamaForCausalLM"),
     "qwen2": ("llama", "LlamaForCausalLM"),
     "qwen3": ("llama", "LlamaForCausalLM"),
+    "mixtral": ("mixtral", "MixtralForCausalLM"),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "deepseek_v2": ("deepseek_v2", "DeepseekV2ForCausalLM"),
+    "deepseek_v3": ("deepseek_v2", "DeepseekV2ForCausalLM"),  # V3: sigmoid routing with groups, same layers
 }
 # HF class name (config.json's "architectures") -> model type
 _HF_ARCHITECTURES = {
@@ -26,6 +32,10 @@ _HF_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 
