@@ -73,11 +73,18 @@ class Page:
         return result["result"].get("value")
 
     def wait(self, expression: str, timeout: float = 60.0):
+        """Poll until the expression is truthy (an error, e.g. the page not loaded yet, counts as not)."""
         deadline = time.monotonic() + timeout
-        while not (value := self.eval(expression)):
-            assert time.monotonic() < deadline, f"timed out waiting for {expression}"
+        while True:
+            try:
+                if value := self.eval(expression):
+                    return value
+            except RuntimeError as e:
+                error = e
+            else:
+                error = None
+            assert time.monotonic() < deadline, f"timed out waiting for {expression} (last error: {error})"
             time.sleep(0.05)
-        return value
 
     def click(self, selector: str):
         x, y = self.eval(f"(() => {{ const r = document.querySelector({json.dumps(selector)}).getBoundingClientRect();"

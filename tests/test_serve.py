@@ -5,7 +5,7 @@ random checkpoint with a chat template (CPU).
   for token (greedy and seeded, n > 1, penalties, top_k/min_p as extras), usage equal to the
   tokenizer's counts, logprobs in each endpoint's schema;
 - stop strings never reach a streamed client;
-- 48 concurrent streaming clients each end exactly once, reassemble to the non-streamed answer, and
+- 64 concurrent streaming clients each end exactly once, reassemble to the non-streamed answer, and
   /metrics agrees with what the clients counted;
 - a client that disconnects mid-stream (or before a non-streamed answer) is aborted, its blocks freed.
 """
@@ -13,6 +13,7 @@ random checkpoint with a chat template (CPU).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -170,10 +171,10 @@ def test_stop_strings_never_leak_into_streams(client, model, oracle, chat):
 
 
 def test_concurrent_streaming_clients(server, model):
-    """48 clients at once, streamed; then the same requests unstreamed: equal answers, each request
+    """64 clients at once, streamed; then the same requests unstreamed: equal answers, each request
     ended once, and /metrics counted what the clients counted."""
     before = server.wait_idle()
-    n_clients = 48
+    n_clients = 64
 
     def request(i):
         chat = i % 2 == 1
@@ -312,3 +313,26 @@ def test_oversized_chunked_body_is_413(server):
 
     r = httpx.post(f"{server.v1}/completions", content=chunks(), timeout=30)  # no Content-Length
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_debug_timing_splits_a_request(server, model):
+    """GET /debug/timing/{id}: the request's stamps on the machine's monotonic clock, in path order,
+    between the client's send and its last chunk (notebook 12 splits latency with them)."""
+    body = {"model": model, "messages": [{"role": "user", "content": "time me"}], "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.Client(timeout=30) as http:
+        sent = time.perf_counter()
+        with http.stream("POST", f"{server.v1}/chat/completions", json=body) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        done = time.perf_counter()
+        rid = json.loads(events[0])["id"]
+        t = http.get(f"{server.base}/debug/timing/{rid}").json()
+        plain = http.post(f"{server.v1}/completions", json={"model": model, "prompt": "hi", "max_tokens": 3}).json()
+        t2 = http.get(f"{server.base}/debug/timing/{plain['id']}").json()
+        missing = http.get(f"{server.base}/debug/timing/nope")
+    stamps = [sent, t["received"], t["tokenized"], t["queued"], t["scheduled"], t["first_token"], t["engine_done"], done]
+    assert stamps == sorted(stamps), t
+    assert t["output_tokens"] == 6 == json.loads(events[-2])["usage"]["completion_tokens"]
+    assert t["finish_reason"] == "length" and t["sent"] >= t["engine_done"]
+    assert t2["output_tokens"] == plain["usage"]["completion_tokens"] and t2["first_token"] <= t2["engine_done"]
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"

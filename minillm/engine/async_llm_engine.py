@@ -65,6 +65,7 @@ class FinishedStats:
     num_prompt_tokens: int
     output_lens: tuple[int, ...]  # tokens of each of its n completions
     finish_reason: str  # of the request: "error" or "abort" if any completion ended so, else completion 0's
+    scheduled_time: float | None = None  # when the first engine step that ran it began (queue wait ends)
 
     @property
     def num_generation_tokens(self) -> int:
@@ -87,6 +88,7 @@ class _Tracked:
 
     def __init__(self, group, arrival: float):
         self.group, self.arrival = group, arrival
+        self.scheduled: float | None = None  # the start of the first step that ran it
         self.sent = [0] * len(group.seqs)  # output tokens already handed out, per sequence
         self.done = [False] * len(group.seqs)
 
@@ -115,7 +117,7 @@ class _Tracked:
         reasons = [s.finish_reason for s in seqs]
         reason = next((r for r in ("error", "abort") if r in reasons), reasons[0])
         return FinishedStats(self.arrival, m.first_token_time, time.perf_counter(), len(self.group.prompt_ids),
-                             tuple(len(s.output_ids) for s in seqs), reason)
+                             tuple(len(s.output_ids) for s in seqs), reason, self.scheduled)
 
 
 class AsyncLLMEngine:
@@ -292,11 +294,15 @@ class AsyncLLMEngine:
             for cmd in commands:
                 stopping |= self._apply(cmd, tracked)
             if engine.has_unfinished_requests():
+                began = time.perf_counter()
                 try:
                     engine.step(unfinished_outputs=False)  # outputs are read off the sequences below
                 except Exception as e:  # LLMEngine.step ends failing requests itself; this is worse
                     logger.exception("engine step failed; ending the requests in flight")
                     self._fail_all(tracked, e)
+                for tr in tracked.values():  # who ran for the first time (the step stamps it after its forward)
+                    if tr.scheduled is None and tr.group.metrics.first_scheduled_time is not None:
+                        tr.scheduled = began
             self._publish(tracked)
 
     def _apply(self, cmd: tuple, tracked: dict[str, _Tracked]) -> bool:

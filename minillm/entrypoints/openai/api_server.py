@@ -7,6 +7,7 @@
     GET  /                      the chat page (static/: HTML, JS and CSS, no CDN)
     GET  /health                503 while the model loads and warms up (and once shutdown began), then 200
     GET  /metrics               Prometheus text (metrics.py)
+    GET  /debug/timing/{id}     where one recent request's time went (serving_engine.record; notebook 12)
     GET  /v1/models             the one model served
     POST /v1/completions        serving_completion.py
     POST /v1/chat/completions   serving_chat.py
@@ -32,6 +33,7 @@ import hmac
 import logging
 import os
 import time
+from collections import OrderedDict
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -47,7 +49,7 @@ from .metrics import ServerMetrics
 from .protocol import BadField, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
-from .serving_engine import APIError
+from .serving_engine import KEEP_TIMINGS, APIError
 
 logger = logging.getLogger("minillm.serve")
 
@@ -71,8 +73,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     app = FastAPI(title="minillm", lifespan=lifespan)
     app.state.on_dead = lambda: None  # run() makes it stop the server
     app.state.engine, app.state.metrics = engine, metrics
-    completions = OpenAIServingCompletion(engine, model_name)
-    chat = OpenAIServingChat(engine, model_name)
+    timings = OrderedDict()  # response id -> its stamps, both endpoints'
+    completions = OpenAIServingCompletion(engine, model_name, timings)
+    chat = OpenAIServingChat(engine, model_name, timings)
     app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes, metrics=metrics)
     _add_error_handlers(app)
 
@@ -90,6 +93,13 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     @app.get("/metrics")
     async def get_metrics():
         return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/debug/timing/{request_id}")
+    async def get_timing(request_id: str):
+        if request_id not in timings:
+            raise APIError(404, f"no timing for {request_id!r}: unknown, or older than the last "
+                           f"{KEEP_TIMINGS} requests", param="request_id", code="not_found")
+        return timings[request_id]
 
     def card() -> ModelCard:
         built = engine.engine

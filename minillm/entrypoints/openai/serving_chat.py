@@ -10,6 +10,7 @@ stream_options.include_usage) and `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -36,6 +37,7 @@ _RENAMES = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}
 
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
+        received = time.perf_counter()
         self.check_model(request.model)
         params = self.sampling_params(request, _RENAMES)
         conversation = request.conversation()
@@ -44,12 +46,14 @@ class OpenAIServingChat(OpenAIServing):
                                           add_generation_prompt=True, tokenize=True)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="messages") from None
+        marks = {"received": received, "tokenized": time.perf_counter()}
         request_id, created = new_id("chatcmpl")
         requests = self.check(request_id, [ids], params, "messages")
         if request.stream:
-            return StreamingResponse(self._stream(request_id, created, requests, request.include_usage),
+            return StreamingResponse(self._stream(request_id, created, requests, request.include_usage, marks),
                                      media_type="text/event-stream")
-        choices, generated = gather(await self.collect(requests, raw_request), requests, params.n)
+        choices, generated = gather(await self.collect(requests, raw_request, (request_id, marks)), requests,
+                                    params.n)
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name, usage=usage([len(ids)], generated),
             choices=[ChatCompletionResponseChoice(
@@ -57,7 +61,8 @@ class OpenAIServingChat(OpenAIServing):
                 stop_reason=c.stop_reason, logprobs=self._logprobs(c.token_ids, c.logprobs, params.logprobs))
                 for i, c in enumerate(choices)])
 
-    def _stream(self, request_id: str, created: int, requests, include_usage: bool) -> AsyncIterator[str]:
+    def _stream(self, request_id: str, created: int, requests, include_usage: bool,
+                marks: dict) -> AsyncIterator[str]:
         [(_, ids, params)] = requests
         roles = [self._chunk(request_id, created, [ChatCompletionStreamChoice(  # the role first, as OpenAI does
             index=i, delta=DeltaMessage(role="assistant", content=""))]) for i in range(params.n)]
@@ -71,7 +76,7 @@ class OpenAIServingChat(OpenAIServing):
         def last(generated: int) -> str | None:
             return self._chunk(request_id, created, [], usage([len(ids)], generated)) if include_usage else None
 
-        return self.sse_stream(requests, chunk, last, first=roles)
+        return self.sse_stream(requests, chunk, last, first=roles, timing=(request_id, marks))
 
     def _chunk(self, request_id: str, created: int, choices, usage_info=None) -> str:
         return ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,

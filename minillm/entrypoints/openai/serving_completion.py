@@ -8,6 +8,7 @@ stream_options.include_usage one more chunk, with no choices, carries the usage;
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -26,15 +27,18 @@ from .serving_engine import OpenAIServing, gather, new_id, usage
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request):
+        received = time.perf_counter()
         self.check_model(request.model)
         params = self.sampling_params(request)
         prompts = await asyncio.to_thread(self._token_ids, request.prompts())
+        marks = {"received": received, "tokenized": time.perf_counter()}
         request_id, created = new_id("cmpl")
         requests = self.check(request_id, prompts, params, "prompt")
         if request.stream:
-            return StreamingResponse(self._stream(request_id, created, requests, request.include_usage),
+            return StreamingResponse(self._stream(request_id, created, requests, request.include_usage, marks),
                                      media_type="text/event-stream")
-        choices, generated = gather(await self.collect(requests, raw_request), requests, params.n)
+        choices, generated = gather(await self.collect(requests, raw_request, (request_id, marks)), requests,
+                                    params.n)
         return CompletionResponse(
             id=request_id, created=created, model=self.model_name,
             usage=usage([len(ids) for _, ids, _ in requests], generated),
@@ -50,7 +54,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 raise BadField("prompt", f"prompt[{i}] is empty: a prompt needs at least one token")
         return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
 
-    def _stream(self, request_id: str, created: int, requests, include_usage: bool) -> AsyncIterator[str]:
+    def _stream(self, request_id: str, created: int, requests, include_usage: bool,
+                marks: dict) -> AsyncIterator[str]:
         n = requests[0][2].n
         offsets = [0] * (len(requests) * n)  # text_offset of each choice's next token
 
@@ -66,7 +71,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_lens = [len(ids) for _, ids, _ in requests]
             return self._chunk(request_id, created, [], usage(prompt_lens, generated)) if include_usage else None
 
-        return self.sse_stream(requests, chunk, last)
+        return self.sse_stream(requests, chunk, last, timing=(request_id, marks))
 
     def _chunk(self, request_id: str, created: int, choices, usage_info=None) -> str:
         return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,

@@ -14,6 +14,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing
 
@@ -50,9 +51,27 @@ def sse_error(error: APIError) -> str:
     return sse(json.dumps(error.body()))
 
 
+KEEP_TIMINGS = 1024  # the most recent requests whose path in time GET /debug/timing/{id} can show
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, timings: OrderedDict | None = None):
         self.engine, self.model_name = engine, model_name
+        self.timings = OrderedDict() if timings is None else timings  # response id -> record()'s dict
+
+    def record(self, request_id: str, marks: dict[str, float], final: RequestOutput | None) -> None:
+        """Keep where the request's time went (its first prompt's), as time.perf_counter() stamps: the
+        machine's monotonic clock, which a client on the same machine reads too (notebook 12 splits a
+        request's latency with them). marks: the handler's own stamps (received, tokenized)."""
+        stats = getattr(final, "metrics", None)
+        if stats is None:
+            return
+        self.timings[request_id] = dict(
+            marks, queued=stats.arrival_time, scheduled=stats.scheduled_time, first_token=stats.first_token_time,
+            engine_done=stats.finished_time, sent=time.perf_counter(), prompt_tokens=stats.num_prompt_tokens,
+            output_tokens=stats.output_lens[0], finish_reason=stats.finish_reason)
+        while len(self.timings) > KEEP_TIMINGS:
+            self.timings.popitem(last=False)
 
     @property
     def tokenizer(self):
@@ -95,9 +114,10 @@ class OpenAIServing:
             out.append((rid, ids, checked))
         return out
 
-    async def collect(self, requests, raw_request) -> list[RequestOutput]:
+    async def collect(self, requests, raw_request, timing: tuple[str, dict] | None = None) -> list[RequestOutput]:
         """Run requests to the end and return every delta, in order. If the client disconnects first,
-        abort them (no one would read the answer) and answer 499 (nginx's "client closed request")."""
+        abort them (no one would read the answer) and answer 499 (nginx's "client closed request").
+        timing: (response id, the handler's marks) to record."""
         async def run():
             async with aclosing(self.engine.stream(requests)) as deltas:
                 return [d async for d in deltas]
@@ -112,20 +132,25 @@ class OpenAIServing:
                 task.cancel()  # the stream's finally aborts what is left
         if task.cancelled() or not task.done():
             raise APIError(499, "the client closed the connection before the answer was ready", code="client_closed")
-        return task.result()
+        deltas = task.result()
+        if timing is not None:
+            self.record(*timing, next((d for d in deltas if d.finished and d.request_id == requests[0][0]), None))
+        return deltas
 
     def stream(self, requests):
         """The requests' deltas as they come (use under contextlib.aclosing: closing it aborts the rest)."""
         return self.engine.stream(requests)
 
     async def sse_stream(self, requests, chunk: Callable[[int, CompletionOutput], str],
-                         last: Callable[[int], str | None], first: Iterable[str] = ()) -> AsyncIterator[str]:
+                         last: Callable[[int], str | None], first: Iterable[str] = (),
+                         timing: tuple[str, dict] | None = None) -> AsyncIterator[str]:
         """The SSE body of a streamed answer: the `first` chunks, then chunk(prompt index, output) for every
         output with something to show, then last(tokens generated) (the usage chunk, or None), then
         [DONE]. If the engine fails a request, an error event and [DONE] end the stream (the 200 is sent
-        already), and the other prompts are aborted as the stream closes."""
+        already), and the other prompts are aborted as the stream closes. timing: (response id, the
+        handler's marks), recorded once [DONE] is sent."""
         where = {rid: i for i, (rid, _, _) in enumerate(requests)}
-        generated = 0
+        generated, final = 0, None
         for payload in first:
             yield sse(payload)
         try:
@@ -133,6 +158,8 @@ class OpenAIServing:
                 async for delta in deltas:
                     if (error := failed(delta)) is not None:
                         raise error
+                    if delta.finished and where[delta.request_id] == 0:
+                        final = delta
                     for out in delta.outputs:
                         generated += len(out.token_ids)
                         # nothing to show yet: a stop string may be forming, or half a character
@@ -144,6 +171,8 @@ class OpenAIServing:
             if (payload := last(generated)) is not None:
                 yield sse(payload)
         yield SSE_DONE
+        if timing is not None:
+            self.record(*timing, final)
 
 
 async def wait_for_disconnect(raw_request) -> None:
