@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from test_engine import alone, blocks_for, random_requests
+from test_engine import alone, blocks_for, pad_steps_eagerly, random_requests, replayed_both_kinds
 from test_model_parity import GREEDY, GREEDY_STEPS, _hf_greedy, _hf_logits, _packed_logits
 from tiny_models import MOE_FAMILIES, VOCAB, hf_model, make_tiny
 
@@ -46,6 +46,18 @@ def test_tiny_greedy_matches_hf_through_the_engine(tiny, seed):
     family, folder, hf = tiny
     llm = LLM(folder, dtype="float32", device="cpu", block_size=4)  # a prompt over several blocks
     prompt = [random.Random(seed).randrange(VOCAB) for _ in range(12)]
+    ours = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert ours == _hf_greedy(hf, prompt, GREEDY_STEPS), family
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the GPU machine)")
+def test_tiny_greedy_on_cuda_matches_hf(tiny, seed):
+    """The Triton kernels (fused MoE, paged MLA, fp32 IEEE dots) inside CUDA graphs give HF's tokens."""
+    family, folder, hf = tiny
+    llm = LLM(folder, dtype="float32", device="cuda", block_size=16)
+    assert llm.engine.runner.graphs is not None
+    prompt = [random.Random(seed).randrange(VOCAB) for _ in range(40)]
     ours = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert ours == _hf_greedy(hf, prompt, GREEDY_STEPS), family
 
@@ -86,6 +98,9 @@ def test_engine_matches_one_request_at_a_time(seed, tok, case):
                       enable_prefix_caching=["hash", "radix"][case % 2],
                       max_num_batched_tokens=rng.randrange(4, 24), max_num_seqs=rng.randrange(3, 7))
     engine = LLMEngine(model, tok, [], ec)
+    padded = case % 2 == 1 and engine.runner.graphs is None  # the CUDA-graph steps' padding, run eagerly
+    if padded:
+        pad_steps_eagerly(engine)
     for i, (p, sp) in enumerate(requests):
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
     got = {}
@@ -93,6 +108,8 @@ def test_engine_matches_one_request_at_a_time(seed, tok, case):
         got |= {o.request_id: [c.token_ids for c in o.outputs] for o in engine.step() if o.finished}
     assert [got[f"r{i}"] for i in range(len(requests))] == expected, ec
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks - 1
+    if padded:
+        assert replayed_both_kinds(engine)
 
 
 # ---- bad checkpoints and configs -------------------------------------------------------------------

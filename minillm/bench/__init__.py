@@ -15,6 +15,7 @@ WORKLOADS = {
     "ceilings": ("minillm.bench.ceilings", "copy bandwidth, matmul rate, and GEMV vs GEMM across batch sizes"),
     "tokenizer": ("minillm.bench.tokenizer", "encode throughput vs HF tokenizers (single thread)"),
     "attention": ("minillm.bench.attention", "FlashAttention prefill and FlashDecoding vs PyTorch SDPA"),
+    "moe": ("minillm.bench.moe", "fused MoE vs per-expert loop vs dense GEMMs, routing skew, paged MLA decode GB/s"),
     "throughput": ("minillm.bench.serving:throughput",
                    "256 random requests through the engine vs HF generate with static batches"),
     "latency": ("minillm.bench.serving:latency", "batch 1, 128-token prompt, 256 new tokens vs HF generate, "
