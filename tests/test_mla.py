@@ -32,8 +32,8 @@ def paged_latents(g, lens: list[int], width: int, block_size: int, dtype):
     for b, (n, k) in enumerate(zip(lens, need)):
         table[b, :k] = perm[at:at + k].to(torch.int32)
         at += k
-        for j in range(n):
-            cache[table[b, j // block_size], j % block_size, 0] = torch.randn(width, generator=g)
+        pos = torch.arange(n)
+        cache[table[b, pos // block_size].long(), pos % block_size, 0] = torch.randn(n, width, generator=g)
     return cache.to(DEVICE, dtype), table.to(DEVICE)
 
 
