@@ -85,7 +85,7 @@ def tiny_checkpoint(folder: Path) -> Path:
 
 WORK = Path(tempfile.mkdtemp(prefix="minillm-nb12-"))
 MODEL = str(embedded_model_path()) if GPU else str(tiny_checkpoint(WORK / "tiny"))
-FLAGS = [] if GPU else ["--device", "cpu"]
+FLAGS = ["--gpu-memory-utilization", "0.6"] if GPU else ["--device", "cpu"]  # GPU: room for this process too
 SERVER_ENV = {**os.environ, **({} if GPU else {"OMP_NUM_THREADS": "1"})}
 
 
@@ -266,7 +266,7 @@ print(f"the server adds     median {added:8.2f} ms   (target on a GPU: within 2 
 # its chunk timestamps (`serve_metrics.py`, the definitions of `vllm bench serve`). The workload is the
 # course's random one: random token ids of SmolLM2's vocabulary as the prompt (sent as ids, so the
 # server and the offline engine below see the very same tokens), EOS ignored so each request makes
-# exactly its output length. Each rate gets about 12 s worth of requests (at least 48, at most 384).
+# exactly its output length. Each rate gets about 10 s worth of requests (at least 48, at most 384).
 #
 # Below the server's capacity, a request finds a small batch: TTFT is one prefill, TPOT one decode
 # step. Past it, arrivals outpace completions, the queue grows for as long as the run lasts, and TTFT
@@ -278,13 +278,13 @@ print(f"the server adds     median {added:8.2f} ms   (target on a GPU: within 2 
 RATES = nb.pick(cpu=[4.0, math.inf], gpu=[4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, math.inf])
 IN_LEN, OUT_LEN = nb.pick(cpu=((4, 16), (4, 8)), gpu=((128, 512), (64, 256)))
 SLO = nb.pick(cpu=(60000.0, 60000.0), gpu=(250.0, 25.0))  # (TTFT ms, TPOT ms) for goodput
-SWEEP_BUDGET_S = 240  # stop adding rates past this, so the notebook stays within its GPU time
+SWEEP_BUDGET_S = 180  # stop adding rates past this, so the notebook stays within its GPU time
 
 
 def n_requests(rate: float) -> int:
     if not GPU:
         return 6
-    return 384 if math.isinf(rate) else min(384, max(48, int(rate * 12)))
+    return 384 if math.isinf(rate) else min(384, max(48, int(rate * 10)))
 
 
 sweep, workloads, t_sweep = [], {}, time.perf_counter()
