@@ -49,7 +49,14 @@ def _load(args):
     # generate and chat stream one request at a time: a decode graph for batch 1 is all they replay,
     # and capturing one graph instead of twenty keeps start-up short on a GPU; each prompt is one
     # prefill step, cheaper run eagerly than captured for a single use
-    return LLM(args.model, dtype=args.dtype, device=args.device, cuda_graph_max_batch=1, cuda_graph_max_tokens=0)
+    return LLM(args.model, dtype=args.dtype, device=args.device, cuda_graph_max_batch=1, cuda_graph_max_tokens=0,
+               quantization=_quantization(args))
+
+
+def _quantization(args):
+    from .quantize import parse_quantization
+
+    return parse_quantization(args.quantization)
 
 
 def _chat_ids(llm, messages) -> dict:
@@ -150,6 +157,64 @@ def _serve(args) -> int:
     return run_server(args)
 
 
+QUANTIZATION_HELP = ("weights in fewer bits: int8, int4, awq, gptq (NAME:key=value,... for options, e.g. "
+                     "awq:group_size=64), or a folder written by `minillm quantize`")
+
+
+def _eval_perplexity(args) -> int:
+    import json
+
+    from .data import load_corpus
+    from .eval import perplexity
+    from .llm import LLM
+
+    corpus = load_corpus(args.corpus)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, enable_kv_cache=False,
+              quantization=_quantization(args))
+    text = corpus.eval_text() if args.split == "eval" else corpus.calibration_text()
+    r = perplexity(llm, text, context_len=args.context_len, stride=args.stride, max_tokens=args.max_tokens)
+    if args.json:
+        print(json.dumps({"model": llm.config.name, "quantization": args.quantization, "split": args.split,
+                          "dtype": str(llm.dtype).removeprefix("torch."), "device": str(llm.device), **r.as_dict()}))
+    else:
+        print(f"perplexity {r.perplexity:.3f} (nll {r.nll:.4f} nats/token) over {r.num_tokens} tokens of the "
+              f"{args.split} split; {llm.config.name}, quantization {args.quantization or 'none'}, windows of "
+              f"{r.context_len} every {r.stride}, {llm.dtype}, {llm.device}")
+    return 0
+
+
+def _quantize(args) -> int:
+    from .llm import _device, _dtype
+    from .quantize import quantize_model
+
+    device = _device(args.device)
+    options = {k: v for k, v in (("group_size", args.group_size), ("num_sequences", args.num_sequences),
+                                 ("seq_len", args.seq_len)) if v is not None}
+    if args.method in ("int4", "awq", "gptq") and "group_size" not in options:
+        options["group_size"] = _default_group_size(args.model)
+    if args.method == "int8" and len(options):
+        raise ValueError(f"--method int8 takes no {', '.join('--' + k.replace('_', '-') for k in options)}")
+    if args.method == "int4" and set(options) - {"group_size"}:
+        raise ValueError("--method int4 (round to nearest) takes no calibration options")
+    if args.act_order:
+        if args.method != "gptq":
+            raise ValueError("--act-order is a gptq option")
+        options["act_order"] = True
+    out = quantize_model(args.model, args.method, options, args.out, dtype=_dtype(args.dtype, device), device=device)
+    print(f"wrote {out} ({args.method}, {options})")
+    return 0
+
+
+def _default_group_size(model) -> int:
+    """128 where it divides every linear layer's input size, else 64 (SmolLM2's 576), else 32."""
+    from .loader import _config_of
+    from .model_files import resolve_source
+
+    c = _config_of(resolve_source(model))
+    sizes = {c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim}
+    return next((g for g in (128, 64) if all(k % g == 0 for k in sizes)), 32)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minillm", description="minillm: an LLM inference engine you can read.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -173,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
         g.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
+        g.add_argument("--quantization", default=None, help=QUANTIZATION_HELP)
         g.set_defaults(fn=_generate if name == "generate" else _chat)
 
     labs = sub.add_parser("labs", help="lab notebooks")
@@ -187,6 +253,35 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over HTTP with the OpenAI API (needs minillm[serve])")
     add_serve_args(serve)
     serve.set_defaults(fn=_serve)
+
+    ev = sub.add_parser("eval", help="measure a model's quality")
+    ev_sub = ev.add_subparsers(dest="eval_command", required=True)
+    ppl = ev_sub.add_parser("perplexity", help="perplexity on the held-out Wikipedia articles (chapter 08)")
+    ppl.add_argument("--model", default=None, help="a .gguf file, HF model folder or hub id (default: embedded SmolLM2)")
+    ppl.add_argument("--quantization", default=None, help=QUANTIZATION_HELP)
+    ppl.add_argument("--max-tokens", type=int, default=4096, help="score the first N tokens of the text (default 4096)")
+    ppl.add_argument("--context-len", type=int, default=None, help="window length (default: min(model's, 1024))")
+    ppl.add_argument("--stride", type=int, default=None, help="how far each window moves (default: context-len / 2)")
+    ppl.add_argument("--corpus", default=None, help="the cached corpus text file (default: $MINILLM_CORPUS or "
+                     "~/.cache/minillm/, fetched once)")
+    ppl.add_argument("--split", default="eval", choices=["eval", "calibration"], help="which part of the corpus")
+    ppl.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    ppl.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
+    ppl.add_argument("--json", action="store_true", help="print one JSON object instead of a line")
+    ppl.set_defaults(fn=_eval_perplexity)
+
+    qz = sub.add_parser("quantize", help="quantize a model (AWQ/GPTQ calibrate on the corpus) and save it")
+    qz.add_argument("--model", default=None, help="a .gguf file, HF model folder or hub id (default: embedded SmolLM2)")
+    qz.add_argument("--method", required=True, choices=["awq", "gptq", "int4", "int8"])
+    qz.add_argument("--group-size", type=int, default=None, help="int4/awq/gptq group (32, 64, 128; default 128, "
+                    "or 64 where 128 does not divide the layers, as for SmolLM2's 576)")
+    qz.add_argument("--num-sequences", type=int, default=None, help="calibration sequences (awq/gptq)")
+    qz.add_argument("--seq-len", type=int, default=None, help="tokens per calibration sequence (awq/gptq)")
+    qz.add_argument("--act-order", action="store_true", help="gptq: round the most used inputs first")
+    qz.add_argument("--out", required=True, help="the folder to write (quant_config.json, model.safetensors)")
+    qz.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    qz.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
+    qz.set_defaults(fn=_quantize)
 
     bench = sub.add_parser("bench", help="run a named benchmark ('list' to see them)")
     bench.add_argument("name")

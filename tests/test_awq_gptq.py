@@ -130,3 +130,88 @@ def test_gptq_dead_inputs_and_bad_arguments(g):
                        (dict(path=3), "path")]:
         with pytest.raises(ValueError, match=match):
             GPTQConfig(**bad)
+
+
+# ---- AWQ -------------------------------------------------------------------------------------------
+
+
+def test_scale_search_is_brute_force(g):
+    from minillm.layers.quantization.awq import ALPHAS, search_scale
+
+    w, mix, salient = _layer(g, N=32, K=128)
+    x = correlated_inputs(g, 256, 128, mix, salient)
+    s, alpha, errors = search_scale(x, w, 64)
+    x_mean = x.abs().mean(0)
+    brute = []
+    for a in ALPHAS:  # the same objective written out: scale, round to nearest, unscale, compare outputs
+        sa = x_mean.clamp_min(1e-4) ** a
+        sa = sa / (sa.max() * sa.min()).sqrt()
+        brute.append(((x @ (_rtn(w * sa, 64) / sa).T - x @ w.T) ** 2).mean().item())
+    torch.testing.assert_close(torch.tensor(errors), torch.tensor(brute), rtol=1e-4, atol=0)
+    assert alpha == ALPHAS[min(range(len(brute)), key=brute.__getitem__)]
+    assert errors[ALPHAS.index(alpha)] <= errors[0]  # alpha = 0 is RTN: the search never loses to it
+    assert (s.max() * s.min()).item() == pytest.approx(1.0, rel=1e-5)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_awq_beats_rtn_on_layer_output(g, group_size):
+    from minillm.layers.quantization.awq import search_clip, search_scale
+    from minillm.layers.quantization.calibration import quantize_with_range
+
+    w, mix, salient = _layer(g)
+    x_cal = correlated_inputs(g, 512, w.shape[1], mix, salient)
+    x_test = correlated_inputs(g, 1024, w.shape[1], mix, salient)
+    s, _, _ = search_scale(x_cal, w, group_size)
+    lo, hi = search_clip(x_cal / s, w * s, group_size)
+    out = quantize_with_range(w * s, group_size, lo, hi, torch.float32)
+    wq = dequantize_int4(out["qweight"], out["scales"], out["mins"], group_size, torch.float32) / s
+    ref = x_test @ w.T
+    s_awq, s_rtn = sqnr(ref, x_test @ wq.T), sqnr(ref, x_test @ _rtn(w, group_size).T)
+    assert s_awq > s_rtn + 0.5, (s_awq, s_rtn)
+
+
+def test_clip_search_never_worse_than_no_clip(g):
+    from minillm.layers.quantization.awq import search_clip
+    from minillm.layers.quantization.calibration import group_range, quantize_with_range
+
+    w = torch.randn(40, 128, generator=g)
+    x = torch.randn(200, 128, generator=g)
+    lo, hi = search_clip(x, w, 32)
+    assert (lo >= group_range(w, 32)[0]).all() and (hi <= group_range(w, 32)[1]).all()
+
+    def err(lo, hi):
+        t = quantize_with_range(w, 32, lo, hi, torch.float32)
+        return ((x @ (w - dequantize_int4(t["qweight"], t["scales"], t["mins"], 32, torch.float32)).T) ** 2).sum()
+
+    assert err(lo, hi) <= err(*group_range(w, 32)) * (1 + 1e-5)
+    assert ((lo != group_range(w, 32)[0]) | (hi != group_range(w, 32)[1])).any()  # some groups were clipped
+
+
+def test_folds_leave_the_block_unchanged(tmp_path, g):
+    """Scaling a block's layers and folding 1/s into norms, v rows and up rows is exact in full precision
+    (a GQA model with biases: each fold touches the bias rows too)."""
+    from tiny_models import make_tiny
+
+    from minillm.layers import AttentionMetadata
+    from minillm.layers.quantization.awq import _gqa_tie, fold_scales
+    from minillm.layers.quantization.calibration import block_linears
+    from minillm.loader import load_model
+
+    model, _, _ = load_model(make_tiny("llama3", tmp_path / "m"), dtype=torch.float64)
+    block = model.model.layers[0]
+    attn = block.self_attn
+    tie, rep = _gqa_tie(attn.num_heads, attn.num_kv_heads, attn.head_dim)
+    assert rep == 2
+    scales = {name: torch.rand(layer.weight.shape[1], generator=g, dtype=torch.float64) * 4 + 0.25
+              for name, layer in block_linears(block).items()}
+    scales["o_proj"] = tie(scales["o_proj"])  # the o_proj scale must be shared within a KV group
+    T = 9
+    x = torch.randn(T, model.config.hidden_size, generator=g, dtype=torch.float64)
+    pos, meta = torch.arange(T), AttentionMetadata.from_seq_lens([T])
+    cos_sin = model.model.rotary_emb.cos_sin(pos, x.dtype)
+    with torch.no_grad():
+        before = block(pos, x, None, meta, cos_sin)
+        fold_scales(block, scales)
+        after = block(pos, x, None, meta, cos_sin)
+    for a, b in zip(before, after):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)

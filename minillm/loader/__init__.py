@@ -60,6 +60,10 @@ def load_model(source=None, *, dtype: torch.dtype = torch.float32, device: torch
         from ..tokenizer import load_tokenizer
 
         tok = load_tokenizer(path)
+    if hasattr(quant_config, "process_model_after_loading"):  # AWQ/GPTQ: calibrate on text, now the weights are in
+        from ..tokenizer import load_tokenizer
+
+        quant_config.process_model_after_loading(model.eval(), tok if tok is not None else load_tokenizer(path))
     return model.eval(), config, tok
 
 
@@ -104,6 +108,8 @@ def _dummy(source, dtype, device, quant_config=None):
             else:  # small values keep activations finite through many layers
                 p.uniform_(-1e-2, 1e-2, generator=gen)
         process_weights_after_loading(model)
+    if hasattr(quant_config, "process_model_after_loading"):  # AWQ/GPTQ on dummy weights: random calibration ids
+        quant_config.process_model_after_loading(model.eval(), None)
     return model.eval(), config, None
 
 

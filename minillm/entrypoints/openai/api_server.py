@@ -276,6 +276,10 @@ def run_server(args) -> int:
     model_name = args.served_model_name or args.model or embedded_model_path().stem
     EngineConfig(**engine_kwargs(args))  # a bad engine flag: exit 2 now, before the port opens
     llm_args = dict(model=args.model, dtype=args.dtype, device=args.device, **engine_kwargs(args))
+    if getattr(args, "quantization", None) is not None:  # chapter 08: a name, NAME:opts or a saved folder
+        from ...quantize import parse_quantization
+
+        llm_args["quantization"] = parse_quantization(args.quantization)
     engine = AsyncLLMEngine(lambda: LLM(**llm_args).engine, warm_up=False if args.no_warm_up else "auto")
     app = build_app(engine, model_name, api_key, args.max_request_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -51,6 +51,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--quantization", default=None, help="weights in fewer bits: int8, int4, awq, gptq "
+                   "(NAME:key=value,... for options), or a folder written by `minillm quantize`")
     g = p.add_argument_group("engine")
     for flag, field, kind, text in ENGINE_FLAGS:
         g.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS, help=text)

@@ -22,10 +22,14 @@ from .base import (
     UnquantizedLinearMethod,
     set_weight_attrs,
 )
+from .awq import AWQConfig
+from .gptq import GPTQConfig
 from .int4 import Int4Config
 from .int8 import Int8Config
 
 QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {"int8": Int8Config, "int4": Int4Config}
+QUANTIZATION_METHODS["awq"] = AWQConfig  # calibrated on text at load (awq.py)
+QUANTIZATION_METHODS["gptq"] = GPTQConfig  # calibrated on text at load (gptq.py)
 
 
 def get_quantization_config(spec) -> QuantizationConfig | None:

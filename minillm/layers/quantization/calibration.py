@@ -175,7 +175,8 @@ class CalibratedLinearMethod(UnquantizedLinearMethod):
         self.config = config
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, params_dtype, weight_loader):
-        check_divides(self.config.name, layer, input_size_per_partition, self.config.group_size)
+        if self.config.group_size is not None:  # None: an int8 (per channel) saved result
+            check_divides(self.config.name, layer, input_size_per_partition, self.config.group_size)
         super().create_weights(layer, input_size_per_partition, output_partition_sizes, params_dtype, weight_loader)
 
     def apply(self, layer, x, bias=None):

@@ -1,0 +1,211 @@
+"""`minillm quantize`: quantize a model once, save the result, load it without calibrating again.
+
+    minillm quantize --method awq --group-size 64 --out smollm2-awq-g64      # calibrates, then saves
+    LLM(quantization=load_quantized("smollm2-awq-g64"))                       # loads the saved tensors
+    LLM(quantization={"method": "awq", "path": "smollm2-awq-g64"})             # the same, for awq/gptq
+    minillm generate "Hi" --quantization smollm2-awq-g64                       # the CLI takes the folder
+
+A saved folder holds `quant_config.json` (the method, its options, bits, group size and the shape
+of the model it was made from) and `model.safetensors` with what quantizing changed: each linear
+layer's packed tensors (int4: qweight uint8 [N, K/2], scales and mins [N, K/G]; int8: qweight int8
+[N, K], scales [N]) and biases, and every RMSNorm weight (AWQ divides them by its scales). The rest
+(embedding, LM head) comes from the original checkpoint, loaded as usual: the folder is a delta
+over the model it names, like a LoRA adapter.
+
+Loading checks everything before it changes anything: the model's shape must match the JSON, every
+tensor must be there, with its name, shape and integer dtype; a mismatch is a ValueError naming the
+tensor. Scales and mins take the model's dtype (a bf16 save loads into fp32 exactly).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .layers.layernorm import RMSNorm
+from .layers.quantization.calibration import CalibratedLinearMethod, become_int4
+from .layers.quantization.weight_only import WeightOnlyConfig
+
+FORMAT = "minillm-quantized"
+CONFIG_FILE, TENSORS_FILE = "quant_config.json", "model.safetensors"
+METHODS = ("awq", "gptq", "int4", "int8")
+
+
+def _linears(model: nn.Module) -> dict[str, nn.Module]:
+    from .layers.linear import LinearBase
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, LinearBase)}
+
+
+def _fingerprint(model: nn.Module) -> dict:
+    c = model.config
+    return {"architecture": c.architecture, "hidden_size": c.hidden_size, "num_layers": c.num_layers,
+            "vocab_size": c.vocab_size, "intermediate_size": c.intermediate_size}
+
+
+def saved_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a quantized model's folder holds: every linear layer's parameters and every norm's weight."""
+    out, linears = {}, _linears(model)
+    for name, module in model.named_modules():
+        if name in linears or isinstance(module, RMSNorm):
+            for p_name, p in module.named_parameters(recurse=False):
+                out[f"{name}.{p_name}"] = p.detach().contiguous().cpu()
+    return out
+
+
+def save_quantized(model: nn.Module, out: str | Path, method: str, options: dict, source: str | None) -> Path:
+    """Write a quantized model's folder (see the module docstring)."""
+    from safetensors.torch import save_file
+
+    layers = _linears(model)
+    if not layers or any(not hasattr(m, "qweight") for m in layers.values()):
+        raise ValueError("save_quantized needs a model whose linear layers are all quantized (qweight)")
+    bits = 4 if all(hasattr(m, "mins") for m in layers.values()) else 8
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(saved_tensors(model), str(out / TENSORS_FILE))
+    config = {"format": FORMAT, "version": 1, "method": method, "bits": bits, "options": options,
+              "group_size": options.get("group_size") if bits == 4 else None,
+              "model": _fingerprint(model), "source": source}
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def read_config(path: str | Path) -> dict:
+    path = Path(path)
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise ValueError(f"{path} is not a folder written by `minillm quantize` (no {CONFIG_FILE})")
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(config, dict) or config.get("format") != FORMAT or config.get("method") not in METHODS:
+        raise ValueError(f"{file} is not a {FORMAT} config with a method in {METHODS}")
+    if config.get("bits") not in (4, 8) or (config["bits"] == 4 and config.get("group_size") not in (32, 64, 128)):
+        raise ValueError(f"{file}: bits must be 4 (with group_size 32, 64 or 128) or 8, got bits={config.get('bits')!r} "
+                         f"group_size={config.get('group_size')!r}")
+    return config
+
+
+def load_quantized_tensors(model: nn.Module, path: str | Path, quant_config=None) -> None:
+    """Replace the model's full-precision linear weights (and norms) by a saved folder's tensors."""
+    from safetensors.torch import load_file
+
+    from .layers.quantization.int8 import Int8LinearMethod
+
+    config = read_config(path)
+    if quant_config is not None and getattr(quant_config, "name", None) in ("awq", "gptq") and \
+            (config["method"] != quant_config.name or config["group_size"] != quant_config.group_size):
+        raise ValueError(f"{path} holds {config['method']} g{config['group_size']}, not the requested "
+                         f"{quant_config.name} g{quant_config.group_size}")
+    if config["model"] != _fingerprint(model):
+        raise ValueError(f"{path} was made for a model of shape {config['model']}, not {_fingerprint(model)}")
+    tensors = load_file(str(Path(path) / TENSORS_FILE), device=str(next(model.parameters()).device))
+    bits, G = config["bits"], config["group_size"]
+    want = {}  # name -> (shape, dtype or None for "the model's float dtype")
+    for name, layer in _linears(model).items():
+        N, K = layer.weight.shape
+        if bits == 4:
+            want |= {f"{name}.qweight": ((N, K // 2), torch.uint8), f"{name}.scales": ((N, K // G), None),
+                     f"{name}.mins": ((N, K // G), None)}
+        else:
+            want |= {f"{name}.qweight": ((N, K), torch.int8), f"{name}.scales": ((N,), None)}
+        if layer.bias is not None:
+            want[f"{name}.bias"] = ((N,), None)
+    for name, module in model.named_modules():
+        if isinstance(module, RMSNorm):
+            want[f"{name}.weight"] = (tuple(module.weight.shape), None)
+    missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+    if missing or extra:
+        raise ValueError(f"{path} does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, (shape, dtype) in want.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype) or (dtype is None and not t.is_floating_point()):
+            raise ValueError(f"{path}: tensor {name!r} is {t.dtype} {tuple(t.shape)}, expected "
+                             f"{dtype or 'a float dtype'} {shape}")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, layer in _linears(model).items():
+            dtype = layer.weight.dtype
+            q = {k: tensors[f"{name}.{k}"] if k == "qweight" else tensors[f"{name}.{k}"].to(dtype)
+                 for k in (("qweight", "scales", "mins") if bits == 4 else ("qweight", "scales"))}
+            if layer.bias is not None:
+                layer.bias.copy_(tensors[f"{name}.bias"])
+            if bits == 4:
+                become_int4(layer, q, G)
+            else:
+                del layer.weight
+                for k, t in q.items():
+                    layer.register_parameter(k, nn.Parameter(t, requires_grad=False))
+                layer.quant_method = Int8LinearMethod()
+        for name, module in model.named_modules():
+            if isinstance(module, RMSNorm):
+                params[f"{name}.weight"].copy_(tensors[f"{name}.weight"])
+
+
+class QuantizedCheckpointConfig(WeightOnlyConfig):
+    """A folder written by `minillm quantize` (any method): the model loads its checkpoint in full
+    precision, then takes the folder's tensors. `load_quantized(path)` makes one."""
+
+    name = "quantized"
+    options = ("path",)
+
+    def __init__(self, path):
+        self.path = str(path)
+        self.saved = read_config(path)
+        self.group_size = self.saved["group_size"]
+        self.calibrating = False  # the layers never run before the saved tensors are in
+
+    def method(self):
+        return CalibratedLinearMethod(self)
+
+    def process_model_after_loading(self, model: nn.Module, tokenizer) -> None:
+        load_quantized_tensors(model, self.path)
+
+
+def load_quantized(path: str | Path) -> QuantizedCheckpointConfig:
+    return QuantizedCheckpointConfig(path)
+
+
+def quantize_model(source, method: str, options: dict, out: str | Path, *, dtype=torch.float32,
+                   device="cpu") -> Path:
+    """Load `source` quantized by `method` (calibrating AWQ/GPTQ on the corpus) and save it to `out`."""
+    from .loader import load_model
+
+    if method not in METHODS:
+        raise ValueError(f"--method must be one of {', '.join(METHODS)}, not {method!r}")
+    model, _, _ = load_model(source, dtype=dtype, device=device, quantization={"method": method, **options})
+    return save_quantized(model, out, method, options, None if source is None else str(source))
+
+
+def parse_quantization(text: str | None):
+    """The CLI's --quantization: none, a method name, NAME:key=value,key=value (e.g. awq:group_size=64),
+    or a folder written by `minillm quantize` -> what LLM(quantization=...) takes."""
+    if text is None or text.lower() == "none":
+        return None
+    if Path(text).is_dir():
+        return load_quantized(text)
+    name, _, rest = text.partition(":")
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--quantization options are key=value pairs after the name (awq:group_size=64), "
+                             f"not {item!r}")
+        options[key.strip()] = _value(value.strip())
+    return {"method": name, **options} if options else name
+
+
+def _value(text: str):
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
