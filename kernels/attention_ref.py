@@ -9,17 +9,22 @@ from __future__ import annotations
 import torch
 
 from .checks import check_varlen
+from .store_kv import dequantize_kv_ref
 
 
-def gather_kv(k, v, b: int, seqlen_k: int, *, cu_seqlens_k=None, block_table=None):
-    """Sequence b's first seqlen_k keys and values as [seqlen_k, Hkv, D] copies (reference only)."""
+def gather_kv(k, v, b: int, seqlen_k: int, *, cu_seqlens_k=None, block_table=None, k_scale=None, v_scale=None):
+    """Sequence b's first seqlen_k keys and values as [seqlen_k, Hkv, D] copies (reference only); from
+    a quantized cache (k_scale, v_scale given), dequantized to fp32: only these rows, never the cache."""
     if block_table is None:
         start = int(cu_seqlens_k[b])
         return k[start:start + seqlen_k], v[start:start + seqlen_k]
     j = torch.arange(seqlen_k, device=k.device)  # key positions
     block_size = k.shape[1]
     blocks = block_table[b].long()[j // block_size]  # [seqlen_k] the block each key lives in
-    return k[blocks, j % block_size], v[blocks, j % block_size]
+    k_b, v_b = k[blocks, j % block_size], v[blocks, j % block_size]
+    if k_scale is not None:
+        k_b, v_b = dequantize_kv_ref(k_b, k_scale), dequantize_kv_ref(v_b, v_scale)  # [seqlen_k, Hkv, D] fp32
+    return k_b, v_b
 
 
 def attention_ref(q, k, v, scale: float, causal: bool, sliding_window):
@@ -44,10 +49,10 @@ def attention_ref(q, k, v, scale: float, causal: bool, sliding_window):
 
 def flash_attn_varlen_ref(q, k, v, cu_seqlens_q, max_seqlen_q, *, cu_seqlens_k=None, seqused_k=None,
                           block_table=None, softmax_scale=None, causal=True, sliding_window=None,
-                          return_lse=False):
+                          return_lse=False, k_scale=None, v_scale=None):
     """flash_attn_varlen in plain PyTorch: one sequence at a time, the whole score matrix in fp32."""
     paged = check_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, block_table,
-                          sliding_window, strict=False)
+                          sliding_window, False, k_scale, v_scale)
     Tq, Hq, D = q.shape
     scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
     out = torch.empty((Tq, Hq, D), dtype=q.dtype, device=q.device)
@@ -59,7 +64,8 @@ def flash_attn_varlen_ref(q, k, v, cu_seqlens_q, max_seqlen_q, *, cu_seqlens_k=N
         if Lk < q_b.shape[0]:
             raise ValueError(f"sequence {b} has {q_b.shape[0]} queries but only {Lk} keys (need Lk >= Lq)")
         k_b, v_b = gather_kv(k, v, b, Lk, cu_seqlens_k=cu_seqlens_k,
-                             block_table=block_table if paged else None)  # [Lk, Hkv, D]
+                             block_table=block_table if paged else None, k_scale=k_scale,
+                             v_scale=v_scale)  # [Lk, Hkv, D]
         o_b, lse_b = attention_ref(q_b, k_b, v_b, scale, causal, sliding_window)
         out[cu_q[b]:cu_q[b + 1]] = o_b.to(q.dtype)
         lse[:, cu_q[b]:cu_q[b + 1]] = lse_b

@@ -22,6 +22,8 @@ from ..checks import check_int
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 COPY_DTYPES = (*FLOAT_DTYPES, torch.float64)
+# A quantized KV cache (chapter 08) stores one of these, with one fp32 scale per KV head for K and for V.
+KV_QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
 
 def check_tensor(name: str, t) -> None:
@@ -79,14 +81,53 @@ def check_index(name: str, t, shape: tuple, strict: bool) -> None:
         raise ValueError(f"{name} must have shape [{want}], got {tuple(t.shape)}")
 
 
-def check_qkv(q, k, v, k_dims: int, strict: bool) -> None:
-    """q [..., Hq, D]; k, v of k_dims dims ending [Hkv, D]; one dtype and device; Hq a multiple of Hkv."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_float_tensor(name, t, FLOAT_DTYPES if strict else None, contiguous=strict)
+def check_kv_scales(k: torch.Tensor, v: torch.Tensor, k_scale, v_scale) -> bool:
+    """A quantized cache (k, v in KV_QUANT_DTYPES, one dtype) needs k_scale and v_scale, fp32 [Hkv] on
+    its device; a full-precision one takes none. True when the cache is quantized."""
+    quantized = k.dtype in KV_QUANT_DTYPES or v.dtype in KV_QUANT_DTYPES
+    if not quantized:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale and v_scale dequantize an fp8 or int8 cache; this cache is {k.dtype}")
+        return False
+    if k.dtype != v.dtype:
+        raise TypeError(f"a quantized cache stores K and V in one dtype, got {k.dtype} and {v.dtype}")
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None:
+            raise ValueError(f"a {k.dtype} cache needs {name} (fp32, one per KV head) to be read back")
+        check_tensor(name, s)
+        if s.dtype != torch.float32 or s.shape != k.shape[-2:-1]:
+            raise ValueError(f"{name} must be float32 of shape [num_kv_heads] = ({k.shape[-2]},), got "
+                             f"{s.dtype} {tuple(s.shape)}")
+        if s.device != k.device:
+            raise ValueError(f"{name} is on {s.device} but the cache is on {k.device}")
+    return True
+
+
+def check_fp8_device(t: torch.Tensor) -> None:
+    """Triton's fp8 e4m3 (float8e4nv) needs an Ada or Hopper GPU (compute capability >= 8.9)."""
+    if t.dtype == torch.float8_e4m3fn and t.device.type == "cuda" \
+            and torch.cuda.get_device_capability(t.device) < (8, 9):
+        name = torch.cuda.get_device_name(t.device)
+        raise ValueError(f"an fp8 (e4m3) KV cache needs a GPU with compute capability >= 8.9 (Ada, Hopper); "
+                         f"{name} has {torch.cuda.get_device_capability(t.device)}: use kv_cache_dtype='int8'")
+
+
+def check_qkv(q, k, v, k_dims: int, strict: bool, k_scale=None, v_scale=None) -> None:
+    """q [..., Hq, D]; k, v of k_dims dims ending [Hkv, D]; one dtype and device (or k, v quantized, with
+    their scales); Hq a multiple of Hkv."""
+    check_float_tensor("q", q, FLOAT_DTYPES if strict else None, contiguous=strict)
+    check_tensor("k", k)
+    check_tensor("v", v)
+    quantized = check_kv_scales(k, v, k_scale, v_scale)
+    for name, t in (("k", k), ("v", v)):
+        if not quantized:
+            check_float_tensor(name, t, FLOAT_DTYPES if strict else None, contiguous=strict)
+        elif strict:
+            check_last_dim(name, t)
     if k.dim() != k_dims or k.shape != v.shape:
         raise ValueError(f"k and v must both be {k_dims}-D [..., num_kv_heads, head_dim], got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
+    if not quantized and (k.dtype != q.dtype or v.dtype != q.dtype):
         raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
@@ -98,6 +139,7 @@ def check_qkv(q, k, v, k_dims: int, strict: bool) -> None:
     if strict:
         check_head_dim(q.shape[-1])
         check_device("q", q)
+        check_fp8_device(k)
         if INTERPRET and q.dtype == torch.bfloat16:  # seen with Triton 3.9: bf16 tl.dot returns garbage
             raise TypeError("Triton's CPU interpreter gets bfloat16 tl.dot wrong: use float32 or "
                             "float16 on a CPU")
@@ -108,7 +150,7 @@ def check_window(sliding_window) -> None:
 
 
 def check_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, block_table,
-                 sliding_window, strict: bool) -> bool:
+                 sliding_window, strict: bool, k_scale=None, v_scale=None) -> bool:
     """Validate flash_attn_varlen's arguments; True when K/V come from a cache through a block table."""
     paged = block_table is not None or seqused_k is not None
     if paged and cu_seqlens_k is not None:
@@ -120,7 +162,9 @@ def check_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, b
         raise ValueError("a KV cache needs both block_table and seqused_k")
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got {getattr(q, 'shape', q)!r}")
-    check_qkv(q, k, v, 4 if paged else 3, strict)
+    check_qkv(q, k, v, 4 if paged else 3, strict, k_scale, v_scale)
+    if not paged and k_scale is not None:
+        raise ValueError("a quantized K/V (k_scale, v_scale) is read from a cache: give block_table and seqused_k")
     check_index("cu_seqlens_q", cu_seqlens_q, (None,), strict)
     B = cu_seqlens_q.numel() - 1
     if B < 1:

@@ -43,6 +43,11 @@ whose tile lies past its sequence's end returns at once. K and V come either pac
 (cu_seqlens_k) or from a KV cache [num_blocks, block_size, Hkv, D] through a block table: key j of
 sequence b is row j % block_size of block block_table[b, j // block_size], looked up per key inside
 the kernel. Grouped-query attention costs nothing extra: query head h reads KV head h // (Hq // Hkv).
+
+From a quantized cache (fp8 e4m3 or int8, one scale per KV head: chapter 08) each K/V tile is loaded
+as stored, cast to q's dtype (exact) and dequantized inside the kernel; as in flash_decode.py the
+head's K scale is folded into the softmax scale and its V scale into the output, since a program
+serves one head. No dequantized copy of the cache is ever written.
 """
 
 from __future__ import annotations
@@ -104,7 +109,7 @@ def _kv_rows(offs_n, seqlen_k, k_start, bt_row, block_size, stride_k_blk, stride
 def _attend_tiles(acc, l_i, m_i, q, q_pos, K, V, start, end, seqlen_k, k_start, bt_row, block_size,
                   stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale, window,
                   MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr,
-                  IEEE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+                  IEEE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT_KV: tl.constexpr):
     """Fold the key tiles [start, end) into the running (acc, l_i, m_i). MASK=False is the fast path:
     the caller promises every key of every tile is visible to every query row."""
     offs_d = tl.arange(0, HEAD_DIM)
@@ -120,6 +125,8 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, K, V, start, end, seqlen_k, k_start, 
             k = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0)
         else:
             k = tl.load(k_ptrs)
+        if QUANT_KV:  # fp8/int8 -> q's dtype, exactly; the head's scale is in qk_scale
+            k = k.to(tl.float32).to(q.dtype)
         qk = dot(q, k, None, IEEE)  # [BLOCK_M, BLOCK_N] raw scores q.k, fp32
         if MASK:
             visible = in_seq[None, :]  # [1, BLOCK_N], broadcast to [BLOCK_M, BLOCK_N] below
@@ -139,6 +146,8 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, K, V, start, end, seqlen_k, k_start, 
             m_sub = m_new
             p = tl.exp2(qk * qk_scale - m_sub[:, None])  # scale and shift in one multiply-add
             v = tl.load(v_ptrs)
+        if QUANT_KV:  # the V scale multiplies the output once, at the end
+            v = v.to(tl.float32).to(q.dtype)
         alpha = tl.exp2(m_i - m_sub)  # [BLOCK_M] how much the old state shrinks (0 on the first tile)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)  # [BLOCK_M, HEAD_DIM]
@@ -152,6 +161,7 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, K, V, start, end, seqlen_k, k_start, 
 def _flash_attn_fwd(
     Q, K, V, Out, Lse,  # q [Tq, Hq, D]; K, V packed [Tk, Hkv, D] or caches; Out [Tq, Hq, D]; Lse [Hq, Tq]
     cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,  # int32 [B+1]; [B+1] | None; [B], [B, n] | None
+    K_scale, V_scale,  # fp32 [Hkv]: a quantized cache's per-head scales (None otherwise)
     stride_q_tok, stride_q_head,
     stride_k_blk, stride_k_tok, stride_k_head,  # packed: stride_k_blk unused
     stride_v_blk, stride_v_tok, stride_v_head,
@@ -159,7 +169,8 @@ def _flash_attn_fwd(
     num_heads, group, block_size, window, qk_scale,
     seqlen_bucket,  # not used by the kernel: part of the autotuning key only
     HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    RETURN_LSE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    RETURN_LSE: tl.constexpr, IEEE: tl.constexpr, QUANT_KV: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     # Longest causal tiles (the last queries see the most keys) get the lowest program ids, so they
     # start first and the short ones fill in at the end of the launch.
@@ -180,6 +191,10 @@ def _flash_attn_fwd(
         bt_row = block_table  # unused
     K += (h // group).to(tl.int64) * stride_k_head  # GQA: the KV head of this query head's group
     V += (h // group).to(tl.int64) * stride_v_head
+    v_scale = 1.0  # (unused unless QUANT_KV)
+    if QUANT_KV:  # q.(s_k k) = s_k (q.k): the head's K scale joins the softmax scale
+        qk_scale = qk_scale * tl.load(K_scale + h // group)
+        v_scale = tl.load(V_scale + h // group)
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query index within the sequence
     offs_d = tl.arange(0, HEAD_DIM)
@@ -212,19 +227,23 @@ def _flash_attn_fwd(
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, K, V, lo, full_lo, seqlen_k, k_start, bt_row,
                                       block_size, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
                                       qk_scale, window, True, CAUSAL, HAS_WINDOW, PAGED, IEEE, BLOCK_N,
-                                      HEAD_DIM)
+                                      HEAD_DIM, QUANT_KV)
     # The full tiles, no mask; then the diagonal (or the ragged end of the keys), masked.
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, K, V, full_lo, full_hi, seqlen_k, k_start, bt_row,
                                   block_size, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-                                  qk_scale, window, False, CAUSAL, HAS_WINDOW, PAGED, IEEE, BLOCK_N, HEAD_DIM)
+                                  qk_scale, window, False, CAUSAL, HAS_WINDOW, PAGED, IEEE, BLOCK_N, HEAD_DIM,
+                                  QUANT_KV)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, K, V, full_hi, hi, seqlen_k, k_start, bt_row,
                                   block_size, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-                                  qk_scale, window, True, CAUSAL, HAS_WINDOW, PAGED, IEEE, BLOCK_N, HEAD_DIM)
+                                  qk_scale, window, True, CAUSAL, HAS_WINDOW, PAGED, IEEE, BLOCK_N, HEAD_DIM,
+                                  QUANT_KV)
 
     # Rows past the sequence's end may have seen no key at all (l = 0): divide them by 1, not 0. They
     # are never stored; the guard only keeps NaNs out of registers.
     l_i = tl.where(row_ok, l_i, 1.0)
     out = acc / l_i[:, None]
+    if QUANT_KV:
+        out = out * v_scale  # a quantized V's scale, once
     tl.store(Out + q_rows[:, None] * stride_o_tok + h * stride_o_head + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     if RETURN_LSE:
@@ -237,7 +256,7 @@ def _flash_attn_fwd(
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, *, cu_seqlens_k=None, seqused_k=None,
                       block_table=None, softmax_scale=None, causal=True, sliding_window=None,
-                      return_lse=False):
+                      return_lse=False, k_scale=None, v_scale=None):
     """softmax(q k^T * softmax_scale + mask) v for every sequence of a packed batch, in one launch.
 
     q: [Tq, Hq, D], sequence b's queries at rows cu_seqlens_q[b]:cu_seqlens_q[b+1]; max_seqlen_q >= the
@@ -245,9 +264,10 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, *, cu_seqlens_k=None,
     [num_blocks, block_size, Hkv, D] with seqused_k [B] (keys per sequence) and block_table [B, n].
     Query i of Lq sits at position Lk - Lq + i (Lk >= Lq). Returns out [Tq, Hq, D] in q's dtype, and
     with return_lse also lse [Hq, Tq] fp32 (natural log of each row's softmax denominator).
+    An fp8/int8 cache needs k_scale, v_scale (fp32 [Hkv]).
     """
     paged = check_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, seqused_k, block_table,
-                          sliding_window, strict=True)
+                          sliding_window, True, k_scale, v_scale)
     Tq, Hq, D = q.shape
     Hkv, B = k.shape[-2], cu_seqlens_q.numel() - 1
     scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
@@ -261,12 +281,12 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, *, cu_seqlens_k=None,
         k_strides, v_strides, block_size = (0, *k.stride()[:2]), (0, *v.stride()[:2]), 1
     grid = lambda meta: (triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), B * Hq)
     _flash_attn_fwd[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, k_scale, v_scale,
         q.stride(0), q.stride(1), *k_strides, *v_strides, out.stride(0), out.stride(1), Tq,
         block_table.stride(0) if paged else 0,
         Hq, Hq // Hkv, block_size, sliding_window or 0, scale * LOG2E,
         min(max(16, triton.next_power_of_2(max_seqlen_q)), 8192),  # tile sizes differ for short chunks
         HEAD_DIM=D, PAGED=paged, CAUSAL=bool(causal), HAS_WINDOW=sliding_window is not None,
-        RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32,
+        RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, QUANT_KV=k_scale is not None,
     )
     return (out, lse) if return_lse else out

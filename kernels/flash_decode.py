@@ -30,6 +30,13 @@ flash_attn.py: key j of sequence b is row j % block_size of block block_table[b,
 
 The new token is already in the cache (seqused_k[b] keys, itself the last, at position
 seqused_k[b] - 1), so causality excludes nothing; a sliding window of W keeps the last W keys.
+
+A quantized cache (fp8 e4m3 or int8, chapter 08) is read as it is stored, one byte a number: each
+K/V tile is loaded, cast to q's dtype (exact: 3 mantissa bits or 8-bit integers fit bf16) and
+dequantized by the KV head's scale (k_scale[h], v_scale[h], fp32) without ever writing a dequantized
+copy. One scale per program, so the multiply moves out of the loop: q.(s_k k) = s_k (q.k) folds s_k
+into the softmax scale, and sum_j p_j (s_v v_j) = s_v sum_j p_j v_j scales the output once. Decode
+reads half the bytes of a bf16 cache, which is the whole point: it is memory-bound.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ def _configs() -> list[triton.Config]:
 def _flash_decode_split(
     Q, K, V, Out, O_part, Lse_part,  # q, out [B, Hq, D]; caches; partials [B, Hq, S, D], [B, Hq, S]
     seqused_k, block_table,  # int32 [B], [B, max_blocks]
+    K_scale, V_scale,  # fp32 [Hkv]: a quantized cache's scales (None otherwise)
     stride_q_seq, stride_q_head,
     stride_k_blk, stride_k_tok, stride_k_head,
     stride_v_blk, stride_v_tok, stride_v_head,
@@ -71,11 +79,15 @@ def _flash_decode_split(
     num_heads, group, block_size, window, num_splits, qk_scale,
     keys_bucket,  # not used by the kernel: part of the autotuning key only
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, HAS_WINDOW: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr, QUANT_KV: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
     b = tl.program_id(2)
+    v_scale = 1.0  # (unused unless QUANT_KV)
+    if QUANT_KV:  # dequantize by folding the head's scales in: K's into the softmax scale, V's at the end
+        qk_scale = qk_scale * tl.load(K_scale + kv_head)
+        v_scale = tl.load(V_scale + kv_head)
     seqlen_k = tl.load(seqused_k + b)
     start = 0
     if HAS_WINDOW:  # the query at position seqlen_k - 1 sees the last `window` keys
@@ -108,6 +120,9 @@ def _flash_decode_split(
                     mask=in_range[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N], K transposed
         v = tl.load(V + (block * stride_v_blk + slot * stride_v_tok)[:, None] + offs_d[None, :],
                     mask=in_range[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        if QUANT_KV:  # fp8/int8 -> q's dtype, exactly (the scales are applied outside the loop)
+            k = k.to(tl.float32).to(q.dtype)
+            v = v.to(tl.float32).to(q.dtype)
         qk = dot(q, k, None, IEEE)  # [BLOCK_H, BLOCK_N]
         qk = tl.where(in_range[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: a tile holds at least one key in range
@@ -117,6 +132,8 @@ def _flash_decode_split(
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
         m_i = m_new
 
+    if QUANT_KV:
+        acc = acc * v_scale  # a quantized V's scale, once per program
     if SINGLE_SPLIT:  # the whole sequence in one program: the result is final
         out = acc / l_i[:, None]
         tl.store(Out + b.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
@@ -171,10 +188,11 @@ def sm_count(device: torch.device) -> int:
     return 4  # the interpreter: any small number, so the tests exercise several splits
 
 
-def _check_decode(q, k_cache, v_cache, seqused_k, block_table, sliding_window, num_splits, strict: bool):
+def _check_decode(q, k_cache, v_cache, seqused_k, block_table, sliding_window, num_splits, strict: bool,
+                  k_scale=None, v_scale=None):
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be [batch, num_heads, head_dim], got {getattr(q, 'shape', q)!r}")
-    check_qkv(q, k_cache, v_cache, 4, strict)
+    check_qkv(q, k_cache, v_cache, 4, strict, k_scale, v_scale)
     B = q.shape[0]
     check_index("seqused_k", seqused_k, (B,), strict)
     check_index("block_table", block_table, (B, None), strict)
@@ -184,13 +202,14 @@ def _check_decode(q, k_cache, v_cache, seqused_k, block_table, sliding_window, n
 
 
 def flash_decode(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=None, sliding_window=None,
-                 num_splits=None):
+                 num_splits=None, k_scale=None, v_scale=None):
     """One query per sequence over its cached keys: q [B, Hq, D] -> out [B, Hq, D] in q's dtype.
 
     Caches [num_blocks, block_size, Hkv, D]; seqused_k [B] int32 counts each sequence's keys, the new
     token's included; block_table [B, max_blocks] int32. num_splits: None chooses (choose_num_splits).
+    An fp8/int8 cache needs k_scale, v_scale (fp32 [Hkv]).
     """
-    _check_decode(q, k_cache, v_cache, seqused_k, block_table, sliding_window, num_splits, strict=True)
+    _check_decode(q, k_cache, v_cache, seqused_k, block_table, sliding_window, num_splits, True, k_scale, v_scale)
     B, Hq, D = q.shape
     Hkv, block_size = k_cache.shape[2], k_cache.shape[1]
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
@@ -210,12 +229,12 @@ def flash_decode(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=N
     scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
     group = Hq // Hkv
     _flash_decode_split[(num_splits, Hkv, B)](
-        q, k_cache, v_cache, out, o_part, lse_part, seqused_k, block_table,
+        q, k_cache, v_cache, out, o_part, lse_part, seqused_k, block_table, k_scale, v_scale,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(1),
         block_table.stride(0), Hq, group, block_size, sliding_window or 0, num_splits, scale * LOG2E,
         min(max(16, triton.next_power_of_2(triton.cdiv(max_keys, num_splits))), 8192),
         HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)), HAS_WINDOW=sliding_window is not None,
-        SINGLE_SPLIT=single, IEEE=q.dtype == torch.float32,
+        SINGLE_SPLIT=single, IEEE=q.dtype == torch.float32, QUANT_KV=k_scale is not None,
     )
     if not single:
         _flash_decode_combine[(B, Hq)](o_part, lse_part, out, out.stride(0), out.stride(1), Hq, num_splits,
@@ -224,15 +243,17 @@ def flash_decode(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=N
 
 
 def flash_decode_ref(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=None, sliding_window=None,
-                     num_splits=None):
-    """flash_decode in plain PyTorch: each sequence's keys gathered, then flash_attn's reference, fp32.
-    num_splits is accepted for a matching signature; splitting does not change the result."""
-    _check_decode(q, k_cache, v_cache, seqused_k, block_table, sliding_window, num_splits, strict=False)
+                     num_splits=None, k_scale=None, v_scale=None):
+    """flash_decode in plain PyTorch: each sequence's keys gathered (and dequantized, for an fp8/int8
+    cache), then flash_attn's reference, fp32. num_splits is accepted for a matching signature;
+    splitting does not change the result."""
+    _check_decode(q, k_cache, v_cache, seqused_k, block_table, sliding_window, num_splits, False, k_scale, v_scale)
     D = q.shape[-1]
     scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
     out = torch.empty_like(q)
     for b in range(q.shape[0]):  # the new token is the last of its sequence: prefill's reference, Lq = 1
-        k, v = gather_kv(k_cache, v_cache, b, int(seqused_k[b]), block_table=block_table)  # [Lk, Hkv, D]
+        k, v = gather_kv(k_cache, v_cache, b, int(seqused_k[b]), block_table=block_table,
+                         k_scale=k_scale, v_scale=v_scale)  # [Lk, Hkv, D]
         o, _ = attention_ref(q[b][None], k, v, scale, causal=True, sliding_window=sliding_window)  # [1, Hq, D]
         out[b] = o[0].to(q.dtype)
     return out

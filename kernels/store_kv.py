@@ -27,6 +27,17 @@ Three details the engine relies on:
   past 2^31, so the row offset is computed in int64.
 A slot past the end of the cache is the caller's bug; the kernel drops such a row rather than write
 outside the cache (the reference raises an IndexError instead).
+
+A quantized cache (chapter 08: `kv_cache_dtype="fp8"` or `"int8"`) stores each number in one byte.
+The write is then where it is quantized, once, with the layer's per-KV-head scales (fp32 [Hkv], one
+for K, one for V, calibrated from a few prompts: layers/quantization/kv_cache.py):
+
+    fp8:   k_cache[slot, h, :] = fp8_e4m3(k[t, h, :] / k_scale[h])            saturating at +-448
+    int8:  k_cache[slot, h, :] = round(k[t, h, :] / k_scale[h]) in -127..127   ties to even
+
+The attention kernels read the bytes back and multiply by the same scale (flash_attn.py). The
+rounding is done in fp32 before the cast, identically in the kernel and the reference
+(`quant_fp8.round_fp8_e4m3`, `round_int8`), so both store the same bits.
 """
 
 from __future__ import annotations
@@ -35,7 +46,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import COPY_DTYPES, check_device, check_float_tensor, check_last_dim, check_tensor
+from .checks import (
+    COPY_DTYPES,
+    FLOAT_DTYPES,
+    check_device,
+    check_float_tensor,
+    check_fp8_device,
+    check_kv_scales,
+    check_last_dim,
+    check_tensor,
+)
+from .quant_fp8 import quantize_fp8_ref, quantize_int8_ref, round_fp8_e4m3, round_int8
 
 
 @triton.jit
@@ -45,6 +66,8 @@ def _store_kv_kernel(
     k_cache_ptr,  # [num_slots, Hkv, D] contiguous: the cache seen flat over its blocks
     v_cache_ptr,  # [num_slots, Hkv, D] contiguous
     slot_ptr,  # [T] int32 or int64
+    k_scale_ptr,  # [Hkv] fp32 (a quantized cache; unused otherwise)
+    v_scale_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -54,6 +77,7 @@ def _store_kv_kernel(
     D,
     BLOCK_H: tl.constexpr,  # next_power_of_2(Hkv)
     BLOCK_D: tl.constexpr,  # next_power_of_2(D)
+    QUANT: tl.constexpr,  # 0: copy; 1: fp8 e4m3; 2: int8 (with the per-head scales)
 ):
     t = tl.program_id(0).to(tl.int64)  # int64: T * stride_kt can pass 2^31 in a long prefill
     slot = tl.load(slot_ptr + t).to(tl.int64)  # int64 whatever the index dtype: slot * Hkv * D below
@@ -66,24 +90,38 @@ def _store_kv_kernel(
     mask = (heads < n_heads) & (d < D)  # [BLOCK_H, BLOCK_D]
     k = tl.load(k_ptr + t * stride_kt + heads * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + heads * stride_vh + d, mask=mask)
+    if QUANT != 0:  # quantize: divide by the head's scale, round in fp32, then an exact cast
+        k_scale = tl.load(k_scale_ptr + heads, mask=heads < Hkv, other=1.0)  # [BLOCK_H, 1]
+        v_scale = tl.load(v_scale_ptr + heads, mask=heads < Hkv, other=1.0)
+        k = tl.math.div_rn(k.to(tl.float32), k_scale)  # IEEE division: PyTorch's quotient, bit for bit
+        v = tl.math.div_rn(v.to(tl.float32), v_scale)
+        if QUANT == 1:
+            k, v = round_fp8_e4m3(k), round_fp8_e4m3(v)
+        else:
+            k, v = round_int8(k), round_int8(v)
+        k, v = k.to(k_cache_ptr.dtype.element_ty), v.to(v_cache_ptr.dtype.element_ty)
     row = slot * Hkv * D  # int64: where this token's [Hkv, D] starts in the flat cache
     tl.store(k_cache_ptr + row + heads * D + d, k, mask=mask)  # the cache is contiguous: head stride D
     tl.store(v_cache_ptr + row + heads * D + d, v, mask=mask)
 
 
-def _check(k, v, k_cache, v_cache, slot_mapping, strict: bool) -> None:
+def _check(k, v, k_cache, v_cache, slot_mapping, strict: bool, k_scale=None, v_scale=None) -> bool:
     """k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]; slot_mapping [T] int32/int64; one
     dtype and device. `strict`: the kernel's extra needs (COPY_DTYPES, any float Triton can load, as
     this is a pure copy: fp8 caches would need a scale; contiguous caches and head rows; CUDA or the
     interpreter). bfloat16 is fine under the interpreter here, unlike for the attention kernels
     (kernels/checks.py): their trouble is bf16 tl.dot and fp32 -> bf16 rounding, and a copy does
-    neither. The test copies all 65536 bf16 bit patterns through the interpreter bit for bit."""
+    neither. The test copies all 65536 bf16 bit patterns through the interpreter bit for bit.
+    A quantized cache (fp8 e4m3, int8) takes k, v in fp16/bf16/fp32 and k_scale, v_scale. True then."""
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
         check_tensor(name, t)
-    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_float_tensor(name, t, COPY_DTYPES if strict else None, contiguous=False)
+    quantized = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    for name, t in (("k", k), ("v", v)) + (() if quantized else (("k_cache", k_cache), ("v_cache", v_cache))):
+        check_float_tensor(name, t, (FLOAT_DTYPES if quantized else COPY_DTYPES) if strict else None,
+                           contiguous=False)
         if t.dtype != k.dtype:
             raise TypeError(f"k, v and the caches must share a dtype, got k {k.dtype} and {name} {t.dtype}")
+    for name, t in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.device != k.device:
             raise ValueError(f"{name} is on {t.device} but k is on {k.device}")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
@@ -99,20 +137,24 @@ def _check(k, v, k_cache, v_cache, slot_mapping, strict: bool) -> None:
     if slot_mapping.shape != k.shape[:1]:
         raise ValueError(f"slot_mapping must have shape [T] = ({k.shape[0]},), got {tuple(slot_mapping.shape)}")
     if not strict:
-        return
+        return quantized
     for name, t in (("k", k), ("v", v)):
         check_last_dim(name, t)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
     check_device("k", k)
+    check_fp8_device(k_cache)
+    return quantized
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """Write k[t], v[t] ([T, Hkv, D]) into flat row slot_mapping[t] of k_cache, v_cache
-    ([num_blocks, block_size, Hkv, D]), in place; a slot < 0 writes nothing. One launch, no host sync."""
-    _check(k, v, k_cache, v_cache, slot_mapping, strict=True)
+    ([num_blocks, block_size, Hkv, D]), in place; a slot < 0 writes nothing. One launch, no host sync.
+    An fp8/int8 cache quantizes with k_scale, v_scale (fp32 [Hkv])."""
+    quantized = _check(k, v, k_cache, v_cache, slot_mapping, True, k_scale, v_scale)
     T, Hkv, D = k.shape
     if T == 0 or k_cache.numel() == 0:
         return
@@ -125,6 +167,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k_cache,
         v_cache,
         slot_mapping,
+        k_scale,
+        v_scale,
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -134,20 +178,40 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         D,
         BLOCK_H=BLOCK_H,
         BLOCK_D=BLOCK_D,
+        QUANT=0 if not quantized else 1 if k_cache.dtype == torch.float8_e4m3fn else 2,
         num_warps=num_warps,
     )
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
     """The plain-PyTorch write the kernel is tested against: same arguments, same effect.
 
     The boolean mask below sizes a tensor by the data (a host sync), so unlike the kernel this is
     not CUDA-graph capturable when the batch has padding."""
-    _check(k, v, k_cache, v_cache, slot_mapping, strict=False)
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])  # [num_blocks * block_size, Hkv, D], no copy
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    quantized = _check(k, v, k_cache, v_cache, slot_mapping, False, k_scale, v_scale)
     slots = slot_mapping.long()  # index_copy_ wants int64
     keep = slots >= 0  # padding rows (PAD_SLOT_ID = -1) are dropped
-    flat_k.index_copy_(0, slots[keep], k[keep])
-    flat_v.index_copy_(0, slots[keep], v[keep])
+    for new, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        rows = new[keep]  # [T_kept, Hkv, D]
+        if quantized:
+            rows = quantize_kv_ref(rows, scale, cache.dtype)
+        flat = byte_view(cache).view(-1, *cache.shape[2:])  # [num_blocks * block_size, Hkv, D], no copy
+        flat.index_copy_(0, slots[keep], byte_view(rows))
+
+
+def quantize_kv_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [..., Hkv, D] -> dtype (fp8 e4m3 or int8) with one scale per head (scale [Hkv])."""
+    s = scale.float()[:, None]  # [Hkv, 1]: broadcast over D
+    return quantize_fp8_ref(x, s) if dtype == torch.float8_e4m3fn else quantize_int8_ref(x, s)
+
+
+def dequantize_kv_ref(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q [..., Hkv, D] fp8/int8 -> fp32 q * scale[h]: what the attention kernels read back."""
+    return q.float() * scale.float()[:, None]
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """fp8 as uint8, the same bytes: PyTorch's CPU index_copy_ has no fp8 kernel (a copy needs none)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t

@@ -50,7 +50,7 @@ def _load(args):
     # and capturing one graph instead of twenty keeps start-up short on a GPU; each prompt is one
     # prefill step, cheaper run eagerly than captured for a single use
     return LLM(args.model, dtype=args.dtype, device=args.device, cuda_graph_max_batch=1, cuda_graph_max_tokens=0,
-               quantization=_quantization(args))
+               kv_cache_dtype=args.kv_cache_dtype, quantization=_quantization(args))
 
 
 def _quantization(args):
@@ -238,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
         g.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
+        g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "int8"],
+                       help="KV cache storage: auto (the model's dtype), fp8 (e4m3) or int8 with calibrated scales")
         g.add_argument("--quantization", default=None, help=QUANTIZATION_HELP)
         g.set_defaults(fn=_generate if name == "generate" else _chat)
 

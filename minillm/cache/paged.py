@@ -106,7 +106,8 @@ class PagedKVCache(CacheSizes):
 
     @staticmethod
     def _tensors(ks: list, vs: list) -> list[torch.Tensor]:
-        return [t for t in ks + vs if t is not None]
+        # an fp8 cache is moved as its bytes: PyTorch's CPU index_copy_ has no fp8 kernel
+        return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in ks + vs if t is not None]
 
     @staticmethod
     def _index(pairs, device) -> tuple[torch.Tensor, torch.Tensor]:

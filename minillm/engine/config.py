@@ -10,6 +10,7 @@ import torch
 
 from ..cache import KVCacheSpec, PagedKVCache, kv_cache_spec
 from ..checks import check_choice, check_int, is_int
+from ..layers.quantization.kv_cache import check_kv_cache_device, kv_cache_torch_dtype
 
 CPU_KV_CACHE_BYTES = 512 * 2**20  # KV pool on a CPU when num_gpu_blocks is not given
 MAX_SWAP_SPACE_GIB = 1 << 20  # a sanity bound (1 PiB): anything above is a typo, and inf cannot be sized
@@ -35,6 +36,9 @@ class EngineConfig:
     # steps with prompt tokens (prefill chunks, mixed with decodes) of up to this many tokens replay a
     # graph too, captured per token bucket on first use; None: max_num_batched_tokens; 0: run them eagerly
     cuda_graph_max_tokens: int | None = None
+    # what the KV cache stores (chapter 08): "auto" (the model's dtype), "fp8"/"fp8_e4m3" or "int8": one
+    # byte per number with calibrated per-head scales, so the pool holds twice the tokens
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_batch"):
@@ -62,6 +66,7 @@ class EngineConfig:
                              f"not {self.enable_prefix_caching!r}")
         if not isinstance(self.enforce_eager, bool):
             raise TypeError(f"enforce_eager must be True or False, not {self.enforce_eager!r}")
+        kv_cache_torch_dtype(self.kv_cache_dtype)  # an unknown name fails here, before any model is touched
 
     def resolve(self, model) -> ResolvedSizes:
         """The sizes this config means for this model, worked out once: the context, the KV pool on the
@@ -69,7 +74,9 @@ class EngineConfig:
         CPU blocks for swapping. The engine, its runner and (chapter 09) a draft model read them here."""
         mc = model.config
         param = next(model.parameters())
-        specs = kv_cache_spec(model)
+        kv_dtype = kv_cache_torch_dtype(self.kv_cache_dtype)  # None: the model's dtype
+        check_kv_cache_device(kv_dtype, param.device)
+        specs = kv_cache_spec(model, kv_dtype)
         max_model_len = min(self.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         block_bytes = PagedKVCache.block_bytes(specs, self.block_size)
         if self.num_gpu_blocks is not None:

@@ -22,6 +22,7 @@ from ..cache.paged import PagedKVCache
 from ..cache.spec import cache_layers
 from ..layers import AttentionMetadata
 from ..layers.backend import get_kernel_mode
+from ..layers.quantization.kv_cache import ensure_kv_scales
 from ..sequence import Sequence
 from .block_manager import cdiv
 from .config import EngineConfig
@@ -50,6 +51,7 @@ class ModelRunner:
         self.token_buckets = token_buckets(config.max_num_batched_tokens if max_tokens is None else max_tokens)
         self.max_num_seqs = config.max_num_seqs
         self._first_layer = cache_layers(model)[0]
+        ensure_kv_scales(model, cache.specs[0].dtype)  # a quantized cache: scales calibrated before any graph
         cache.bind(model)
         self.graphs = self.make_graphs() if self.use_cuda_graphs else None
 

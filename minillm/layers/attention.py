@@ -27,6 +27,7 @@ from torch import nn
 from ..cache.spec import KVCacheSpec
 from ..kernels import flash_attn, flash_decode
 from ..kernels import store_kv as _store
+from ..kernels.checks import KV_QUANT_DTYPES
 from .backend import use_triton
 
 
@@ -100,10 +101,16 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the cache (cache/spec.py)
+        # A quantized (fp8/int8) cache's per-KV-head scales, K and V (vLLM's k_scale/v_scale), fp32. Set
+        # by calibration (layers/quantization/kv_cache.py), which also records the qmax they are for;
+        # buffers, not parameters: no checkpoint has them. Tensors, so CUDA graphs read them live.
+        self.register_buffer("k_scale", torch.ones(num_kv_heads, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(num_kv_heads, dtype=torch.float32), persistent=False)
+        self.kv_scale_qmax: float | None = None  # None: not calibrated (a quantized cache is refused)
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
-        """What this layer caches per token: a key and a value per KV head."""
-        return KVCacheSpec(self.num_kv_heads, self.head_dim, dtype)
+        """What this layer caches per token: a key and a value per KV head (fp8/int8: with scales)."""
+        return KVCacheSpec(self.num_kv_heads, self.head_dim, dtype, has_scales=dtype in KV_QUANT_DTYPES)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -121,16 +128,22 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("attention metadata has a slot_mapping but no KV cache is bound to this layer")
         k_cache, v_cache = self.kv_cache  # [num_blocks, block_size, Hkv, D] each
-        store_kv(k, v, k_cache, v_cache, m.slot_mapping)
+        scales = {}
+        if k_cache.dtype in KV_QUANT_DTYPES:  # fp8/int8: quantized on write, dequantized in the kernels
+            if self.kv_scale_qmax is None:
+                raise RuntimeError(f"a {k_cache.dtype} KV cache is bound but this layer's k_scale/v_scale were "
+                                   "never calibrated (minillm.layers.quantization.kv_cache.calibrate_kv_scales)")
+            scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
+        store_kv(k, v, k_cache, v_cache, m.slot_mapping, **scales)
         triton = use_triton(q)
         if m.max_seqlen == 1:  # decode: one query per sequence over its whole cached past
             decode = flash_decode.flash_decode if triton else flash_decode.flash_decode_ref
             return decode(q, k_cache, v_cache, m.seq_lens, m.block_table, softmax_scale=self.scale,
-                          sliding_window=self.sliding_window)  # [B, Hq, D]
+                          sliding_window=self.sliding_window, **scales)  # [B, Hq, D]
         prefill = flash_attn.flash_attn_varlen if triton else flash_attn.flash_attn_varlen_ref
         return prefill(q, k_cache, v_cache, m.cu_seqlens, m.max_seqlen, seqused_k=m.seq_lens,
                        block_table=m.block_table, softmax_scale=self.scale,
-                       sliding_window=self.sliding_window)  # [T, Hq, D]
+                       sliding_window=self.sliding_window, **scales)  # [T, Hq, D]
 
     def _sdpa(self, q, k, v, positions, attn_metadata) -> torch.Tensor:
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, T, head_dim]
@@ -146,7 +159,8 @@ class Attention(nn.Module):
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """Write the new tokens' K and V into their cache rows (vLLM: reshape_and_cache).
 
     k, v: [T, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
@@ -155,5 +169,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
     On a GPU this is one Triton launch (`minillm.kernels.store_kv`, CUDA-graph capturable); elsewhere,
     or with MINILLM_KERNELS=torch, its PyTorch reference: index_copy_ into the caches viewed flat.
+    An fp8/int8 cache (chapter 08) is quantized on the way in with k_scale, v_scale (fp32 [Hkv]).
     """
-    (_store.store_kv if use_triton(k) else _store.store_kv_ref)(k, v, k_cache, v_cache, slot_mapping)
+    (_store.store_kv if use_triton(k) else _store.store_kv_ref)(k, v, k_cache, v_cache, slot_mapping,
+                                                                 k_scale, v_scale)
