@@ -12,6 +12,7 @@ into activation-dtype numbers in registers and multiplies at once:
         in the weight's domain (what q = 0 stands for): llama.cpp's Q4_1 min, torchao's float zero
         point; an integer zero point z (AWQ/GPTQ's convention, W = (q - z) * s) is mins = -z * s.
     int8, per output channel (W8A16): W[n, k] = q[n, k] * scales[n],  q in -127..127
+    int8, group size G (GGUF's Q8_0, G = 32): W[n, k] = q[n, k] * scales[n, k // G]
 
 The tile loop is an ordinary tiled GEMM (fp32 accumulator, tl.dot) whose B tile is made, not loaded:
   - int4: each K tile lies inside one group (BLOCK_K divides G), so a tile needs one scale and one
@@ -19,7 +20,8 @@ The tile loop is an ordinary tiled GEMM (fp32 accumulator, tl.dot) whose B tile 
     W^T's even rows, the high nibbles its odd rows, and each meets the matching columns of x:
     x W^T = x[:, 0::2] W^T[0::2] + x[:, 1::2] W^T[1::2], two dots with nothing reshuffled.
   - int8: the dot runs on the raw q (integers up to 127 are exact in bf16 and fp16) and the channel's
-    scale multiplies the finished sum, once per output instead of once per weight.
+    scale multiplies the finished sum, once per output instead of once per weight. With group scales,
+    each K tile (inside one group) gets its own small dot, scaled as it joins the accumulator.
 
 Decode has M <= 16 rows: one row of tiles across N is too few programs to keep the GPU's loads in
 flight (4096 columns / 64 = 64 programs for 132 SMs). Split-K cuts K into slices, each program sums
@@ -60,10 +62,10 @@ MAX_SPLIT_K = 16
 
 @triton.jit
 def _wna16_kernel(
-    X, QW, S, Mins, Y,  # x [M, K]; qweight [N, K/2] u8 or [N, K] i8; scales, mins [N, K/G] (int8: [N]); y
+    X, QW, S, Mins, Y,  # x [M, K]; qweight [N, K/2] u8 or [N, K] i8; scales, mins [N, K/G] (int8: [N] or [N, K/G])
     M, N, K, group_size, k_per_split,  # k_per_split: K columns per split-K slice, a multiple of BLOCK_K
     stride_xm, stride_qn, stride_sn, stride_ym, stride_ysplit,
-    WEIGHT_BITS: tl.constexpr, IEEE: tl.constexpr,
+    WEIGHT_BITS: tl.constexpr, GROUPED_8: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -99,8 +101,12 @@ def _wna16_kernel(
             k_ok = offs_k < K  # the last tile may overhang K
             x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
             q = tl.load(w_cols + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0)  # int8
-            acc = dot(x, q.to(x.dtype), acc, IEEE)  # the channel scale comes after the sum
-    if WEIGHT_BITS == 8:
+            if GROUPED_8:  # this tile's group scale, per column, on this tile's partial sum
+                s = tl.load(S + offs_n * stride_sn + k0 // group_size, mask=n_ok, other=0.0).to(tl.float32)
+                acc += dot(x, q.to(x.dtype), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * s[None, :]
+            else:
+                acc = dot(x, q.to(x.dtype), acc, IEEE)  # the channel scale comes after the sum
+    if WEIGHT_BITS == 8 and not GROUPED_8:
         acc *= tl.load(S + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y = Y + split.to(tl.int64) * stride_ysplit + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -152,7 +158,7 @@ def _launch(x, qweight, scales, mins, group_size, bits: int, split_k):
         x, qweight, scales, mins if mins is not None else scales, out,
         M, N, K, group_size, k_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), N, M * N,
-        WEIGHT_BITS=bits, IEEE=x.dtype == torch.float32,
+        WEIGHT_BITS=bits, GROUPED_8=bits == 8 and scales.dim() == 2, IEEE=x.dtype == torch.float32,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
     )
     if split_k > 1:
@@ -187,6 +193,12 @@ def _check(x, qweight, scales, mins, group_size, bits: int, strict: bool, split_
         if K % group_size:
             raise ValueError(f"group_size {group_size} must divide in_features {K}")
         shape = (N, K // group_size)
+    elif group_size is not None:  # int8 with group scales
+        check_int("group_size", group_size)
+        if group_size % 32 or K % group_size:
+            raise ValueError(f"int8 group_size must be a multiple of 32 that divides in_features {K}, "
+                             f"not {group_size}")
+        shape = (N, K // group_size)
     else:
         shape = (N,)
     check_float_tensor("scales", scales, FLOAT_DTYPES if strict else None, contiguous=strict)
@@ -220,12 +232,13 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     return _launch(x, qweight, scales, mins, group_size, 4, split_k)
 
 
-def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *,
+def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int | None = None, *,
                split_k: int | None = None) -> torch.Tensor:
-    """x [M, K] @ (qweight * scales[:, None])^T -> [M, N] in x's dtype; qweight int8 [N, K], scales [N]."""
-    _check(x, qweight, scales, None, None, 8, strict=True, split_k=split_k)
-    # One group spans the whole row: any tile size divides it (16 * 8: the kernel's preferred K tile).
-    return _launch(x, qweight, scales, None, 128, 8, split_k)
+    """x [M, K] @ dequant(qweight)^T -> [M, N] in x's dtype; qweight int8 [N, K]; scales [N] (one per output
+    channel, group_size None) or [N, K / group_size] (GGUF's Q8_0: group_size 32)."""
+    _check(x, qweight, scales, None, group_size, 8, strict=True, split_k=split_k)
+    # Per channel, one group spans the whole row: any tile size divides it (128: the preferred K tile).
+    return _launch(x, qweight, scales, None, group_size or 128, 8, split_k)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -250,8 +263,13 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
 
 
 def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The [N, K] weight the int8 layout stands for: q * scale of its row."""
-    return (qweight.float() * scales.float()[:, None]).to(dtype or scales.dtype)
+    """The [N, K] weight the int8 layout stands for: q * the scale of its row ([N]) or of its group ([N, K/G])."""
+    if scales.dim() == 1:
+        return (qweight.float() * scales.float()[:, None]).to(dtype or scales.dtype)
+    N, K = qweight.shape
+    groups = scales.shape[1]
+    w = qweight.float().view(N, groups, K // groups) * scales.float()[..., None]  # [N, groups, G]
+    return w.view(N, K).to(dtype or scales.dtype)
 
 
 def w4a16_gemm_ref(x, qweight, scales, mins, group_size: int, *, split_k: int | None = None) -> torch.Tensor:
@@ -260,7 +278,7 @@ def w4a16_gemm_ref(x, qweight, scales, mins, group_size: int, *, split_k: int | 
     return F.linear(x, dequantize_int4(qweight, scales, mins, group_size, x.dtype))
 
 
-def w8a16_gemm_ref(x, qweight, scales, *, split_k: int | None = None) -> torch.Tensor:
+def w8a16_gemm_ref(x, qweight, scales, group_size: int | None = None, *, split_k: int | None = None) -> torch.Tensor:
     """w8a16_gemm in plain PyTorch: the whole weight dequantized to x's dtype, then one matmul."""
-    _check(x, qweight, scales, None, None, 8, strict=False, split_k=split_k)
+    _check(x, qweight, scales, None, group_size, 8, strict=False, split_k=split_k)
     return F.linear(x, dequantize_int8(qweight, scales, x.dtype))

@@ -69,7 +69,7 @@ def test_quantization_names_and_options():
 
 
 @pytest.mark.parametrize("spec,exc,match", [
-    ("int3", ValueError, "quantization must be None or one of 'int8', 'int4', not 'int3'"),
+    ("int3", ValueError, "quantization must be None or one of 'int8', 'int4', .*'gguf'.*, not 'int3'"),
     ({"method": "int4", "group_size": 100}, ValueError, "'int4' group_size must be one of 32, 64, 128, not 100"),
     ({"method": "int4", "group_size": True}, ValueError, "group_size must be one of"),
     ({"method": "int4", "groups": 64}, ValueError, r"'int4' has no option 'groups' \(its options: group_size\)"),

@@ -47,6 +47,16 @@ def cache_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "kv_cache")]
 
 
+def model_dtype(model) -> torch.dtype:
+    """The dtype a model computes in, which its KV cache defaults to: what the loader built it in
+    (`model.dtype`), else its first floating-point parameter's. Not simply its first parameter's: a
+    quantized layer's first parameter holds packed integers (chapter 08)."""
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
 def kv_cache_spec(source, dtype: torch.dtype | None = None) -> list[KVCacheSpec]:
     """Per cache-holding layer, what it stores: from a built model, or from a ModelConfig (the model is
     built on the "meta" device, which allocates nothing). dtype: the cache's (default: the model's)."""
@@ -58,7 +68,7 @@ def kv_cache_spec(source, dtype: torch.dtype | None = None) -> list[KVCacheSpec]
         dtype = dtype or torch.get_default_dtype()
     if hasattr(source, "kv_cache_spec"):  # a model may state its whole spec itself
         return list(source.kv_cache_spec(dtype))
-    dtype = dtype or next(source.parameters()).dtype
+    dtype = dtype or model_dtype(source)
     specs = [layer.kv_cache_spec(dtype) for layer in cache_layers(source)]
     if not specs:
         raise ValueError(f"{type(source).__name__} has no layer that holds a KV cache")

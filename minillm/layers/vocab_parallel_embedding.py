@@ -64,8 +64,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, quant_config, prefix)
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> ParallelLMHead:
-        """Share the embedding's table (tie_word_embeddings): one tensor, read by both."""
-        self.weight = embed_tokens.weight
+        """Share the embedding's table (tie_word_embeddings): the same tensors (a packed table's too) and
+        the method that reads them, so one copy serves the lookup and the logits."""
+        for name in list(self._parameters):
+            delattr(self, name)
+        for name, p in embed_tokens.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        self.quant_method = embed_tokens.quant_method
         return self
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

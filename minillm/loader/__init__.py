@@ -5,8 +5,9 @@
     model, config, tokenizer = load_model("qwen3-0.6b", load_format="dummy")   # real shapes, random weights
     model, config, tokenizer = load_model(None, quantization="int8")   # linear weights quantized after loading
 
-`quantization` takes what layers/quantization/ takes: None, "int8", "int4", {"method": "int4",
-"group_size": 64} or a QuantizationConfig. The checkpoint's full-precision weights load as usual and
+`quantization` takes what layers/quantization/ takes: None, "int8", "int4", "gguf" (a .gguf file's
+Q4_1/Q8_0 blocks kept packed), {"method": "int4", "group_size": 64} or a QuantizationConfig. The
+checkpoint's full-precision weights load as usual and
 each linear layer quantizes its own once it is complete; the embedding and LM head stay as they are.
 """
 
@@ -19,7 +20,7 @@ import torch
 
 from ..config import ModelConfig, preset
 from ..layers import RotaryEmbedding
-from ..layers.quantization import get_quantization_config
+from ..layers.quantization import GGUFConfig, get_quantization_config
 from ..model_files import resolve_source
 from ..models import get_model_class
 from ..models.utils import process_weights_after_loading
@@ -34,6 +35,9 @@ def load_model(source=None, *, dtype: torch.dtype = torch.float32, device: torch
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, not {load_format!r}")
     quant_config = get_quantization_config(quantization)  # an unknown name fails before anything loads
     device = torch.device(device)
+    if load_format == "dummy" and isinstance(quant_config, GGUFConfig):
+        raise ValueError("quantization 'gguf' needs a .gguf file's weights, not load_format='dummy' "
+                         "(use 'int4' or 'int8' for dummy weights)")
     if load_format == "dummy":
         return _dummy(source, dtype, device, quant_config)
     path = resolve_source(source)
@@ -41,11 +45,18 @@ def load_model(source=None, *, dtype: torch.dtype = torch.float32, device: torch
         from . import gguf_loader
 
         config = gguf_loader.read_config(path, name=path.stem)
-        weights = gguf_loader.iter_weights(path, config, dtype, device)
+        mapping = getattr(get_model_class(config.architecture), "stacked_params_mapping", ())
+        if isinstance(quant_config, GGUFConfig):  # now the tensor types are known: which layers stay packed
+            quant_config = quant_config.bind(path, gguf_loader.tensor_types(path), mapping)
+        packed = quant_config if isinstance(quant_config, GGUFConfig) else None
+        weights = gguf_loader.iter_weights(path, config, dtype, device, packed, mapping)
     elif path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").is_file() and ggufs:
             return load_model(ggufs[0], dtype=dtype, device=device, tokenizer=tokenizer, quantization=quant_config)
+        if isinstance(quant_config, GGUFConfig):
+            raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks packed; {path} is not a .gguf file "
+                             f"(use 'int8', 'int4' or another method for a Hugging Face checkpoint)")
         from . import hf_loader
 
         config = hf_loader.read_config(path)
@@ -73,6 +84,7 @@ def _build(config: ModelConfig, dtype: torch.dtype, device: torch.device, quant_
     # the attributes their layers gave them (weight_loader, ...), which a move between devices drops.
     with torch.device(device), default_dtype(dtype):
         model = get_model_class(config.architecture)(config, quant_config)
+    model.dtype = dtype  # what it computes in: a packed layer's integers are not the model's dtype
     for module in model.modules():  # buffers (RoPE's cos/sin) are computed in fp32, never loaded
         if isinstance(module, RotaryEmbedding):
             module.compute_cache(device)

@@ -19,7 +19,7 @@ import torch
 
 from ..config import ModelConfig
 from ..gguf_meta import open_gguf, read_gguf_metadata
-from .dequant import dequantize
+from .dequant import dequantize, repack
 
 _LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -54,9 +54,16 @@ def read_config(path: str | Path, name: str = "") -> ModelConfig:
     return config.with_(tie_word_embeddings=not has_output)
 
 
-def iter_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype,
-                 device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor in `dtype` on `device`) for every tensor of the file, dequantized on `device`."""
+def tensor_types(path: str | Path) -> dict[str, str]:
+    """The file's tensors in HF naming -> their GGUF type ("Q4_1", "Q8_0", "F32", ...)."""
+    return {hf_name(t.name): t.tensor_type.name for t in open_gguf(path).tensors}
+
+
+def iter_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 quant_config=None, stacked_params_mapping=()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor on `device`) for every tensor of the file: dequantized to `dtype`, or, where a
+    bound GGUFConfig keeps a layer packed, its repacked tensors ("...q_proj.qweight", ".scales", ...)."""
+    mapping = list(stacked_params_mapping)
     for t in open_gguf(path).tensors:
         kind = t.tensor_type.name
         shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists the fastest dimension first
@@ -64,16 +71,18 @@ def iter_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype,
             data = np.asarray(t.data)
         except Exception as e:
             raise ValueError(f"GGUF tensor {t.name} cannot be read (truncated file?): {e}") from e
-        if kind in ("F32", "F16", "BF16"):
-            raw = torch.from_numpy(data.copy()).to(device)
-            if kind == "BF16":
-                raw = raw.view(torch.bfloat16)
-            w = raw.reshape(shape)
-        else:
-            w = dequantize(torch.from_numpy(data.copy()).to(device), kind, shape)
         name = hf_name(t.name)
-        if name.endswith("q_proj.weight"):
-            w = unpermute(w, config.num_heads)
-        elif name.endswith("k_proj.weight"):
-            w = unpermute(w, config.num_kv_heads)
-        yield name, w.to(dtype)
+        raw = torch.from_numpy(data.copy()).to(device)
+        if quant_config is not None and quant_config.packs(name, mapping):
+            tensors = {name[: -len("weight")] + k: v for k, v in repack(raw, kind, shape).items()}
+        elif kind in ("F32", "F16", "BF16"):
+            tensors = {name: (raw.view(torch.bfloat16) if kind == "BF16" else raw).reshape(shape).to(dtype)}
+        else:
+            tensors = {name: dequantize(raw, kind, shape).to(dtype)}
+        for key, w in tensors.items():
+            # q and k rows come in llama.cpp's order: packed tensors are row-major too, so the same fix
+            if ".q_proj." in key:
+                w = unpermute(w, config.num_heads)
+            elif ".k_proj." in key:
+                w = unpermute(w, config.num_kv_heads)
+            yield key, w
