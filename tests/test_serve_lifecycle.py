@@ -172,6 +172,14 @@ def test_sigterm_ends_streams_then_exits(keyed_server):
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
             t0 = time.monotonic()
             keyed_server.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)  # within the 1 s grace: the streams still run
+            try:  # a request during shutdown: refused (the socket is closed) or a 503, never served
+                async with httpx.AsyncClient(timeout=10, headers=headers) as late:
+                    r = await late.post(f"{keyed_server.v1}/chat/completions", json={**body, "stream": False})
+                assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready", r.text
+            except httpx.ConnectError:
+                pass
+            assert not any(reader.done() for reader in readers)
             events = await asyncio.wait_for(asyncio.gather(*readers), 60)
             return events, time.monotonic() - t0
 
