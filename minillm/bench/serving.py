@@ -51,7 +51,7 @@ THROUGHPUT_SIZES = dict(num_requests=(256, 8), min_input_len=(100, 16), max_inpu
                         min_output_len=(100, 16), max_output_len=(1024, 64), hf_batch_size=(64, 4))
 LATENCY_SIZES = dict(input_len=(128, 32), output_len=(256, 32))
 ENGINE_ARGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enforce_eager",
-               "num_gpu_blocks", "preemption_mode", "enable_prefix_caching", "cuda_graph_max_tokens")
+               "num_gpu_blocks", "preemption_mode", "enable_prefix_caching", "cuda_graph_max_tokens", "kv_cache_dtype")
 
 
 def _sizes(defaults: dict, given: dict, device: torch.device) -> dict:
@@ -295,6 +295,8 @@ def add_arguments(parser, workload: str) -> None:
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks", "cuda_graph_max_tokens"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3", "int8"],
+                   help="KV cache storage (chapter 08): fp8/int8 hold twice the tokens of bf16")
 
 
 def run(**kwargs) -> dict:  # the registry's entry point: `minillm bench throughput` is the default
