@@ -168,7 +168,7 @@ assert events[-1] == "[DONE]" and chunks[-1]["usage"]["completion_tokens"] <= 24
 # | queue | queued → the engine step that first runs it begins |
 # | prefill | that step: the prompt's forward pass and the first token sampled |
 # | decode steps | the other n − 1 tokens, one engine step each (detokenizing included) |
-# | SSE out | the engine's last step → the client has the last text (event loop, JSON, SSE, socket) |
+# | SSE out | the engine's last step → the client has the last chunk (event loop, JSON, SSE, socket) |
 #
 # The parts add up to the end-to-end latency exactly. Detokenizing happens inside each step; its share
 # is measured apart by replaying the answer's tokens through the same `IncrementalDetokenizer`.
@@ -184,7 +184,7 @@ def timed_request(content: str, max_tokens: int) -> dict:
     """One streamed chat request; -> the client's stamps and the server's /debug/timing record."""
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    parser, text_times, text, rid = SSEParser(), [], "", None
+    parser, text_times, text, rid, finished = SSEParser(), [], "", None, None
     sent = time.perf_counter()
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         for raw in r.iter_bytes():
@@ -194,17 +194,19 @@ def timed_request(content: str, max_tokens: int) -> dict:
                     continue
                 event = json.loads(data)
                 rid = rid or event["id"]
-                piece = event["choices"][0]["delta"].get("content") if event["choices"] else None
-                if piece:
-                    text_times.append(now)
-                    text += piece
+                for choice in event["choices"]:
+                    if choice["delta"].get("content"):
+                        text_times.append(now)
+                        text += choice["delta"]["content"]
+                    if choice["finish_reason"]:
+                        finished = now  # the last token's chunk (its text may be empty: a special token)
     server_stamps = http.get(f"/debug/timing/{rid}").json()
-    return dict(server_stamps, client_sent=sent, first_text=text_times[0], last_text=text_times[-1], text=text)
+    return dict(server_stamps, client_sent=sent, first_text=text_times[0], finished=finished, text=text)
 
 
 def split(t: dict) -> dict:
     marks = [t["client_sent"], t["received"], t["tokenized"], t["queued"], t["scheduled"], t["first_token"],
-             t["engine_done"], t["last_text"]]
+             t["engine_done"], t["finished"]]
     assert marks == sorted(marks), marks
     names = ["HTTP in", "tokenize", "hand-off", "queue", "prefill", "decode steps", "SSE out"]
     return {n: (b - a) * 1e3 for n, a, b in zip(names, marks, marks[1:])}
@@ -224,9 +226,9 @@ timed_request(QUESTION, 4)  # one untimed request first
 runs = [timed_request(QUESTION, SPLIT_TOKENS) for _ in range(N_SPLIT)]
 parts = [split(t) for t in runs]
 median = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
-e2e = statistics.median((t["last_text"] - t["client_sent"]) * 1e3 for t in runs)
+e2e = statistics.median((t["finished"] - t["client_sent"]) * 1e3 for t in runs)
 for p, t in zip(parts, runs):
-    assert abs(sum(p.values()) - (t["last_text"] - t["client_sent"]) * 1e3) < 1e-6  # the parts tile the request
+    assert abs(sum(p.values()) - (t["finished"] - t["client_sent"]) * 1e3) < 1e-6  # the parts tile the request
 detok = statistics.median(detok_ms(t["text"]) for t in runs)
 rows = [{"part": k, "median ms": v, "share %": 100 * v / e2e} for k, v in median.items()]
 rows.append({"part": "  of which detokenize (replayed)", "median ms": detok, "share %": 100 * detok / e2e})
