@@ -215,3 +215,42 @@ def test_folds_leave_the_block_unchanged(tmp_path, g):
         after = block(pos, x, None, meta, cos_sin)
     for a, b in zip(before, after):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+# ---- lab 08: the solution passes its checks, classic slips fail --------------------------------------
+
+
+def test_lab08_checks_pass_the_solution_and_catch_slips():
+    from test_labs_engine import fails, solution
+
+    from minillm.labs import ch08
+
+    lab = solution("08_quantization")
+    assert ch08.check_group_quantize(lab["group_quantize"], cases=30).passed
+    assert ch08.check_group_dequantize(lab["group_dequantize"], cases=30).passed
+    assert ch08.check_awq_scale(lab["awq_scale"], cases=5).passed
+    assert ch08.check_gptq_update(lab["gptq_update"], cases=30).passed
+
+    def sixteen_levels(w, G):  # (max - min) / 16: a step too small, the top level never used
+        _, s, m = lab["group_quantize"](w, G)
+        return torch.round((w.view(*s.shape, G) - m[..., None]) / (s * 15 / 16)[..., None]).clamp(0, 15).view(
+            w.shape).long(), s * 15 / 16, m
+
+    def no_min(q, s, m, G):
+        return lab["group_dequantize"](q, s, torch.zeros_like(m), G)
+
+    def unnormalized(x, w, G):  # s = mean|x|^alpha without the sqrt(max * min) normalization
+        _, alpha = lab["awq_scale"](x, w, G)
+        x_mean = x.abs().mean(0).clamp_min(1e-4)
+        return x_mean ** alpha, alpha
+
+    def only_later_columns(W, U, i, wq):  # forgets that column i itself lands on wq
+        err = (W[:, i] - wq) / U[i, i]
+        W = W.clone()
+        W[:, i + 1:] -= err[:, None] * U[i, i + 1:][None, :]
+        return W, err
+
+    fails(ch08.check_group_quantize, sixteen_levels, cases=30)
+    fails(ch08.check_group_dequantize, no_min, cases=30)
+    fails(ch08.check_awq_scale, unnormalized, cases=10)
+    fails(ch08.check_gptq_update, only_later_columns, cases=30)

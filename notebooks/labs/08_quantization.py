@@ -1,0 +1,147 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lab 08 · Four bits per weight: groups, AWQ's scales, GPTQ's error feedback
+#
+# Decode reads every weight once per step, so fewer bits per weight is a faster step. Here you write
+# the three pieces chapter 08 builds on: the int4 group format itself, the scale search with which AWQ
+# protects the weights that meet large activations, and the column update with which GPTQ lets the
+# weights not yet rounded make up for the ones that were. The checks run your functions and minillm's
+# (`layers/quantization/utils.py`, `kernels/w4a16.py`, `awq.py`, `gptq.py`) on fresh random inputs.
+
+# %%
+import torch
+
+from minillm.labs import ch08
+
+# %% [markdown]
+# ## Exercise 1 — `group_quantize` and `group_dequantize`
+#
+# Cut each row of $W$ `[N, K]` into groups of $G$ consecutive inputs. Each group gets its own range:
+# `mins` $= m = \min$ of the group, `scales` $= s = (\max - \min) / 15$. A weight becomes the nearest
+# of the 16 levels $m, m + s, \dots, m + 15 s$:
+# $q = \operatorname{round}((w - m) / s)$, clamped to 0..15 (when $s = 0$, divide by the smallest
+# positive float instead: every $q$ is then 0). Return `(q, scales, mins)` with `scales` and `mins` of
+# shape `[N, K / G]`. Dequantizing is $w \approx q \cdot s + m$, back to `[N, K]`.
+
+# %%
+def group_quantize(w, group_size):
+    ### BEGIN SOLUTION
+    N, K = w.shape
+    wg = w.view(N, K // group_size, group_size)  # [N, groups, G]
+    mins = wg.amin(dim=-1)
+    scales = (wg.amax(dim=-1) - mins) / 15
+    s = scales.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    q = torch.round((wg - mins[..., None]) / s).clamp(0, 15)
+    return q.view(N, K).long(), scales, mins
+    ### END SOLUTION
+
+
+def group_dequantize(q, scales, mins, group_size):
+    ### BEGIN SOLUTION
+    N, K = q.shape
+    w = q.view(N, K // group_size, group_size).float() * scales[..., None] + mins[..., None]
+    return w.view(N, K)
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+ch08.check_group_quantize(group_quantize)
+ch08.check_group_dequantize(group_dequantize)
+
+# %% [markdown]
+# How much does it cost? The error of a layer's output, in dB of signal over noise (about 6 dB a bit):
+
+# %%
+g = torch.Generator().manual_seed(0)
+w, x = torch.randn(256, 512, generator=g) * 0.05, torch.randn(64, 512, generator=g)
+for G in (32, 64, 128):
+    wq = group_dequantize(*group_quantize(w, G), G)
+    noise = ((x @ w.T - x @ wq.T) ** 2).sum() / ((x @ w.T) ** 2).sum()
+    print(f"group {G:3}: {4 + 32 / G:.2f} bits per weight (bf16 scale and min), SQNR {-10 * noise.log10():.1f} dB")
+
+# %% [markdown]
+# ## Exercise 2 — AWQ's scale search on one layer
+#
+# A few input channels carry activations far larger than the rest. Multiply input channel $k$ of $W$ by
+# $s_k$ (and divide the input by $s_k$: $x W^\top$ is unchanged) and the weights that meet large
+# activations are rounded on a finer grid relative to their size. AWQ takes
+# $s = \overline{|x|}^{\,\alpha}$ (the mean of $|x|$ over the tokens, per channel), divided by
+# $\sqrt{\max(s) \min(s)}$, and tries $\alpha = 0, 0.05, \dots, 0.95$ (`ch08.ALPHAS`). For each it
+# rounds $W s$ with your `group_quantize`, dequantizes, divides by $s$ again and measures the mean
+# squared error of the layer's output, $\operatorname{mean}((x \hat W^\top - x W^\top)^2)$, on the
+# inputs `x` `[T, K]`. Return the best `(s, alpha)` (clamp $\overline{|x|}$ to at least $10^{-4}$ before
+# the power; on a tie the smaller $\alpha$ wins).
+
+# %%
+ALPHAS = [i / 20 for i in range(20)]
+
+
+def awq_scale(x, w, group_size):
+    ### BEGIN SOLUTION
+    x_mean = x.abs().mean(dim=0).clamp_min(1e-4)
+    y = x @ w.T
+    best = None
+    for alpha in ALPHAS:
+        s = x_mean ** alpha
+        s = s / (s.max() * s.min()).sqrt()
+        wq = group_dequantize(*group_quantize(w * s, group_size), group_size) / s
+        err = ((x @ wq.T - y) ** 2).mean().item()
+        if best is None or err < best[0]:
+            best = (err, s, alpha)
+    return best[1], best[2]
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+ch08.check_awq_scale(awq_scale)
+
+# %% [markdown]
+# ## Exercise 3 — one GPTQ column update
+#
+# GPTQ rounds the columns of $W$ one at a time, and moves the columns not rounded yet so that the
+# layer's output on the calibration inputs changes as little as possible. With $H = 2 X^\top X$ and
+# $U$ the upper Cholesky factor of $H^{-1}$ ($H^{-1} = U^\top U$), rounding column $i$ to `wq` gives
+#
+# $$\text{err} = \frac{W_{:,i} - \text{wq}}{U_{ii}}, \qquad W_{:,j} \mathrel{-}= \text{err} \cdot U_{ij}
+# \quad \text{for } j \ge i,$$
+#
+# which leaves column $i$ exactly at `wq` and spreads its error over the later columns (the earlier
+# ones are already rounded: $U$ is upper triangular). Return `(W_new, err)` for a block `W` `[N, B]`,
+# its `U` `[B, B]`, the column `i` and its rounded value `wq` `[N]`.
+
+# %%
+def gptq_update(W, U, i, wq):
+    ### BEGIN SOLUTION
+    err = (W[:, i] - wq) / U[i, i]
+    W = W.clone()
+    W[:, i:] -= err[:, None] * U[i, i:][None, :]
+    return W, err
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+ch08.check_gptq_update(gptq_update)
+
+# %% [markdown]
+# ## What you built
+#
+# `group_quantize` is minillm's `int4` method (`utils.quantize_int4`), the format the W4A16 kernel
+# (`kernels/w4a16.py`) dequantizes in registers. `awq_scale` is `awq.search_scale`; AWQ then folds
+# $1/s$ into the RMSNorm before `qkv_proj` and `gate_up_proj`, into v's rows for `o_proj` and into
+# up's rows for `down_proj`, so the division costs nothing at run time. `gptq_update` is the inner
+# step of `gptq.gptq_quantize`, which runs it for every column, in blocks of 128 with one matrix
+# product per block for the columns beyond it. Both methods write the same int4 groups as
+# round-to-nearest: they change which levels the weights land on, not how they are stored.
+# `minillm quantize --method awq --out DIR` runs them on the whole model.
