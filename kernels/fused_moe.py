@@ -34,6 +34,24 @@ from .checks import FLOAT_DTYPES, INTERPRET, check_device, check_float_tensor, c
 from .flash_attn import dot
 
 
+def _configs() -> list[triton.Config]:
+    if INTERPRET:
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
+    # (BLOCK_N, BLOCK_K, warps, stages): vLLM-like starting points; the autotuner picks per shape
+    shapes = [(32, 64, 4, 4), (64, 32, 4, 4), (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
+              (128, 128, 8, 3)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st) for n, k, w, st in shapes]
+
+
+def _prune(configs, named_args, **kwargs):
+    """fp32 (IEEE dots, for exactness checks) compiles slowly in wide tiles: keep the smallest."""
+    if named_args["A"].dtype != torch.float32:
+        return configs
+    return [min(configs, key=lambda c: c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
+
+
+@triton.autotune(configs=_configs(), key=["N", "K", "TOP_K", "GATED", "BLOCK_M"],
+                 prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _fused_moe_kernel(
     A, B, C, TopkWeights,  # a [rows, K]; b [E, N or 2N, K]; c [T * top_k, N]; weights [T * top_k] fp32
@@ -42,8 +60,8 @@ def _fused_moe_kernel(
     stride_am, stride_be, stride_bn, stride_cm,
     TOP_K: tl.constexpr,  # rows of a per token: pair p reads row p // TOP_K (1: a holds one row per pair)
     GATED: tl.constexpr,  # b holds [W1; W3]: write silu(a W1^T) * (a W3^T)
-    MUL_ROUTED_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # chosen by the autotuner
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -124,13 +142,13 @@ def _check(x, w13, w2, topk_weights, topk_ids, strict: bool) -> None:
         check_device("x", x)
 
 
-def _tiles(num_pairs: int, num_experts: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K). Few pairs per expert (decode): short row tiles, or most of each
-    tile is padding. fp32 (IEEE dots, for exactness checks) and the interpreter take small tiles."""
-    block_m = 16 if num_pairs <= 8 * num_experts else 64
-    if INTERPRET or dtype == torch.float32:
-        return min(block_m, 32), 32, 32
-    return block_m, 64, 64
+def _block_m(num_pairs: int, num_experts: int, dtype: torch.dtype) -> int:
+    """Rows per tile, from the pairs an expert gets on average: at decode a few, so short tiles (each
+    expert's run is padded to a whole tile); in a long prefill hundreds, so tall ones. Decided from
+    shapes, so one CUDA graph always runs the same tiles."""
+    per_expert = num_pairs / num_experts
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64 if per_expert <= 256 else 128
+    return min(block_m, 32) if INTERPRET or dtype == torch.float32 else block_m
 
 
 def fused_experts(x, w13, w2, topk_weights, topk_ids):
@@ -143,7 +161,7 @@ def fused_experts(x, w13, w2, topk_weights, topk_ids):
     top_k = topk_ids.shape[1]
     if T == 0:
         return torch.empty_like(x)
-    block_m, block_n, block_k = _tiles(T * top_k, E, x.dtype)
+    block_m = _block_m(T * top_k, E, x.dtype)
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, block_m, E)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()  # [T * top_k], pair order
@@ -151,16 +169,14 @@ def fused_experts(x, w13, w2, topk_weights, topk_ids):
     down = torch.empty((T * top_k, H), dtype=x.dtype, device=x.device)
     ieee = x.dtype == torch.float32
     tiles = sorted_ids.numel() // block_m
-    _fused_moe_kernel[(tiles, triton.cdiv(I, block_n))](
+    _fused_moe_kernel[lambda meta: (tiles, triton.cdiv(I, meta["BLOCK_N"]))](
         x, w13, inter, weights, sorted_ids, expert_ids, num_post, I, H, T * top_k,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        TOP_K=top_k, GATED=True, MUL_ROUTED_WEIGHT=False, IEEE=ieee,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    _fused_moe_kernel[(tiles, triton.cdiv(H, block_n))](
+        TOP_K=top_k, GATED=True, MUL_ROUTED_WEIGHT=False, IEEE=ieee, BLOCK_M=block_m)
+    _fused_moe_kernel[lambda meta: (tiles, triton.cdiv(H, meta["BLOCK_N"]))](
         inter, w2, down, weights, sorted_ids, expert_ids, num_post, H, I, T * top_k,
         inter.stride(0), w2.stride(0), w2.stride(1), down.stride(0),
-        TOP_K=1, GATED=False, MUL_ROUTED_WEIGHT=True, IEEE=ieee,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        TOP_K=1, GATED=False, MUL_ROUTED_WEIGHT=True, IEEE=ieee, BLOCK_M=block_m)
     return down.view(T, top_k, H).sum(dim=1)  # [T, H]
 
 

@@ -28,20 +28,32 @@ import triton
 import triton.language as tl
 
 from .checks import FLOAT_DTYPES, INTERPRET, check_device, check_float_tensor, check_index
-from .flash_attn import LOG2E, dot
+from .flash_attn import LOG2E, dot, prune_fp32
 from .flash_decode import MAX_SPLITS, SPLIT_GRAIN, _flash_decode_combine, sm_count
 
 BLOCK_H = 16  # query heads per program: the fewest rows tl.dot takes
 
 
-@triton.jit
+def _configs() -> list[triton.Config]:
+    if INTERPRET:
+        return [triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    # Memory-bound: a latent tile is 512 wide, so a few keys per tile already make a large load; the
+    # autotuner picks how many and how many loads stay in flight (untuned guesses until measured).
+    shapes = [(16, 4, 2), (32, 4, 2), (32, 8, 2), (64, 4, 2), (64, 8, 2), (64, 8, 3)]
+    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in shapes]
+
+
+@triton.autotune(configs=_configs(), key=["LAT", "ROPE", "SINGLE_SPLIT", "keys_bucket"],
+                 prune_configs_by={"early_config_prune": prune_fp32})
+@triton.jit(do_not_specialize=["num_splits"])
 def _mla_decode_split(
     Q, KV, Out, O_part, Lse_part,  # q [T, H, L + R]; cache [blocks, block_size, 1, L + R]; out [T, H, L]
     kv_lens, seq_idx, block_table,  # int32 [T] keys each row sees, [T] its sequence, [B, max_blocks]
     stride_q_tok, stride_q_head, stride_kv_blk, stride_kv_tok, stride_o_tok, stride_o_head, stride_bt,
     num_heads, rope_dim, block_size, num_splits, qk_scale,
+    keys_bucket,  # not used by the kernel: part of the autotuning key only
     LAT: tl.constexpr, ROPE: tl.constexpr,  # kv_lora_rank; rope_dim padded to a power of two >= 16
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_H: tl.constexpr, SINGLE_SPLIT: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     split = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -129,8 +141,8 @@ def mla_decode(q, kv_cache, kv_lens, seq_idx, block_table, kv_lora_rank: int, so
         return out
     block_size = kv_cache.shape[1]
     head_blocks = triton.cdiv(H, BLOCK_H)
-    if num_splits is None:  # about two waves of programs, no split shorter than a key tile (shapes only)
-        max_keys = block_table.shape[1] * block_size
+    max_keys = block_table.shape[1] * block_size  # from shapes: reading kv_lens would wait for the GPU
+    if num_splits is None:  # about two waves of programs, no split shorter than a key tile
         wanted = triton.cdiv(2 * sm_count(q.device), T * head_blocks)
         num_splits = max(1, min(wanted, triton.cdiv(max_keys, SPLIT_GRAIN), MAX_SPLITS))
     single = num_splits == 1
@@ -138,12 +150,12 @@ def mla_decode(q, kv_cache, kv_lens, seq_idx, block_table, kv_lora_rank: int, so
     if not single:
         o_part = torch.empty((T, H, num_splits, L), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((T, H, num_splits), dtype=torch.float32, device=q.device)
-    block_n = 16 if INTERPRET or q.dtype == torch.float32 else 32
     _mla_decode_split[(num_splits, head_blocks, T)](
         q, kv_cache, out, o_part, lse_part, kv_lens, seq_idx, block_table,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0), H, width - L, block_size, num_splits, float(softmax_scale) * LOG2E,
-        LAT=L, ROPE=max(16, triton.next_power_of_2(width - L)), BLOCK_H=BLOCK_H, BLOCK_N=block_n,
+        min(max(16, triton.next_power_of_2(triton.cdiv(max_keys, num_splits))), 8192),
+        LAT=L, ROPE=max(16, triton.next_power_of_2(width - L)), BLOCK_H=BLOCK_H,
         SINGLE_SPLIT=single, IEEE=q.dtype == torch.float32)
     if not single:
         _flash_decode_combine[(T, H)](o_part, lse_part, out, out.stride(0), out.stride(1), H, num_splits,
