@@ -164,3 +164,11 @@ def test_top_k_above_the_number_of_experts_is_refused(mixtral_folder, tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg | {"scoring_func": "relu"}))
     with pytest.raises(ValueError, match="moe.scoring_func must be one of softmax, sigmoid, not 'relu'"):
         load_model(folder)
+
+
+@pytest.mark.parametrize("name,billions", [("mixtral-8x7b", 46.7), ("qwen3-30b-a3b", 30.5), ("deepseek-v2-lite", 15.7)])
+def test_presets_have_the_published_sizes(name, billions):
+    """The dummy presets' shapes, built on the meta device: the parameter counts the model cards state."""
+    from minillm.config import preset
+
+    assert round(preset(name).num_params / 1e9, 1) == billions
