@@ -172,3 +172,25 @@ def test_presets_have_the_published_sizes(name, billions):
     from minillm.config import preset
 
     assert round(preset(name).num_params / 1e9, 1) == billions
+
+
+def test_a_transformers_4_deepseek_config_reads_as_the_preset():
+    """DeepSeek-V2-Lite's config.json as published (transformers 4 layout: rope_scaling with "type",
+    no head_dim) gives the preset's config."""
+    from minillm.config import preset
+
+    cfg = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+           "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+           "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
+           "routed_scaling_factor": 1.0, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+           "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+           "num_experts_per_tok": 6, "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": False,
+           "scoring_func": "softmax", "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+           "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                            "original_max_position_embeddings": 4096, "type": "yarn"},
+           "tie_word_embeddings": False, "bos_token_id": 100000, "eos_token_id": 100001}
+    got, want = ModelConfig.from_hf(cfg), preset("deepseek-v2-lite")
+    assert got.mla == want.mla and got.head_dim == want.head_dim == 64
+    assert got.moe.dense_layers == (0,) and got.moe.num_shared_experts == 2 and not got.moe.norm_topk_prob
+    assert {k: v for k, v in got.rope_scaling.items() if k != "type"} == want.rope_scaling
+    assert got.num_params == want.num_params
