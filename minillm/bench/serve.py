@@ -96,6 +96,16 @@ def request_body(req: BenchRequest, endpoint: str, model: str, ignore_eos: bool)
     return body
 
 
+async def _events(response, parser: SSEParser):
+    """(arrival time, data) of each event of a streamed response, as its bytes arrive."""
+    async for chunk in response.aiter_bytes():
+        now = time.perf_counter()
+        for data in parser.feed(chunk):
+            yield now, data
+    for data in parser.close():  # a last event ended by a bare CR
+        yield time.perf_counter(), data
+
+
 async def send(http, url: str, body: dict, prompt_len: int | None) -> RequestResult:
     """POST one streamed request; timestamp each chunk that carries text; read usage if sent."""
     result = RequestResult(start=time.perf_counter(), prompt_tokens=prompt_len)
@@ -105,26 +115,23 @@ async def send(http, url: str, body: dict, prompt_len: int | None) -> RequestRes
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
                 return result
-            parser, pieces, done = SSEParser(), [], False
-            async for chunk in response.aiter_bytes():
-                now = time.perf_counter()
-                for data in parser.feed(chunk):
-                    if data == "[DONE]":
-                        done = True
-                        continue
-                    event = json.loads(data)
-                    if "error" in event:
-                        result.error = f"error event: {event['error'].get('message', event['error'])}"
-                        return result
-                    if event.get("usage"):
-                        result.output_tokens = event["usage"].get("completion_tokens", result.output_tokens)
-                        result.prompt_tokens = event["usage"].get("prompt_tokens") or prompt_len
-                    for choice in event.get("choices") or []:
-                        text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                        if text:
-                            result.chunk_times.append(now)
-                            pieces.append(text)
-            parser.close()
+            pieces, done = [], False
+            async for now, data in _events(response, SSEParser()):
+                if data == "[DONE]":
+                    done = True
+                    continue
+                event = json.loads(data)
+                if "error" in event:
+                    result.error = f"error event: {event['error'].get('message', event['error'])}"
+                    return result
+                if event.get("usage"):
+                    result.output_tokens = event["usage"].get("completion_tokens", result.output_tokens)
+                    result.prompt_tokens = event["usage"].get("prompt_tokens") or prompt_len
+                for choice in event.get("choices") or []:
+                    text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                    if text:
+                        result.chunk_times.append(now)
+                        pieces.append(text)
             result.text = "".join(pieces)
             result.success = done and bool(result.chunk_times)
             if not result.success:
@@ -242,6 +249,7 @@ def run(base_url: str, endpoint: str = "completions", model: str | None = None, 
     print_table([{"metric": k, "value": v} for k, v in shown.items()], title="serving benchmark")
     for error in out["errors"]:
         print(f"failed: {error}")
-    if output_json:
-        Path(output_json).write_text(json.dumps(out, indent=2, default=str) + "\n")
+    if output_json:  # strict JSON: a statistic of no values (NaN) is null
+        clean = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in out.items()}
+        Path(output_json).write_text(json.dumps(clean, indent=2, default=str, allow_nan=False) + "\n")
     return out
