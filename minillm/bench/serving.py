@@ -103,7 +103,7 @@ def throughput(model=None, *, num_requests: int | None = None, min_input_len: in
                max_input_len: int | None = None, min_output_len: int | None = None,
                max_output_len: int | None = None, seed: int = 0, hf: bool = True, hf_batch_size: int | None = None,
                hf_requests: int | None = None, device=None, json_path=None, progress: bool = True,
-               **engine_args) -> dict:
+               quantization=None, **engine_args) -> dict:
     """Offline throughput of LLMEngine on random requests, and of HF static batching on the same ones."""
     device = default_device() if device is None else torch.device(device)
     s = _sizes(THROUGHPUT_SIZES, dict(num_requests=num_requests, min_input_len=min_input_len,
@@ -119,7 +119,7 @@ def throughput(model=None, *, num_requests: int | None = None, min_input_len: in
     if n_hf > s["num_requests"]:
         raise ValueError(f"hf_requests ({n_hf}) must be <= num_requests ({s['num_requests']})")
 
-    models = load_models(model, device)
+    models = load_models(model, device, quantization=quantization)
     longest = s["max_input_len"] + s["max_output_len"]
     if longest > models.config.max_position_embeddings:
         raise ValueError(f"max_input_len + max_output_len = {longest} exceeds the model's context "
@@ -214,7 +214,7 @@ def _latency_row(engine: str, runs: list[tuple[float, list[float]]], floor_s: fl
 
 def latency(model=None, *, input_len: int | None = None, output_len: int | None = None, num_iters: int = 3,
             num_iters_warmup: int = 1, seed: int = 0, hf: bool = True, device=None, json_path=None,
-            progress: bool = True, **engine_args) -> dict:
+            progress: bool = True, quantization=None, **engine_args) -> dict:
     """Batch-1 latency through LLMEngine and HF generate, against the weight-reading floor."""
     device = default_device() if device is None else torch.device(device)
     s = _sizes(LATENCY_SIZES, dict(input_len=input_len, output_len=output_len), device)
@@ -224,7 +224,7 @@ def latency(model=None, *, input_len: int | None = None, output_len: int | None 
         raise ValueError(f"output_len must be >= 2 (decode speed is measured after the first token), not {output_len}")
     check_int("num_iters", num_iters)
     check_int("num_iters_warmup", num_iters_warmup, 0)
-    models = load_models(model, device)
+    models = load_models(model, device, quantization=quantization)
     if s["input_len"] + s["output_len"] > models.config.max_position_embeddings:
         raise ValueError(f"input_len + output_len = {s['input_len'] + s['output_len']} exceeds the model's "
                          f"context ({models.config.max_position_embeddings} tokens)")
@@ -297,6 +297,14 @@ def add_arguments(parser, workload: str) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3", "int8"],
                    help="KV cache storage (chapter 08): fp8/int8 hold twice the tokens of bf16")
+    p.add_argument("--quantization", type=_quantization, default=None, help="weights in fewer bits: int8, int4, "
+                   "awq, gptq (NAME:key=value,...), or a folder written by `minillm quantize` (chapter 08)")
+
+
+def _quantization(text: str):
+    from ..quantize import parse_quantization
+
+    return parse_quantization(text)
 
 
 def run(**kwargs) -> dict:  # the registry's entry point: `minillm bench throughput` is the default

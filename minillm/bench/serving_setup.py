@@ -60,7 +60,8 @@ class ServingModels:
         return bytes_per_token(kv_cache_spec(self.model))
 
 
-def load_models(model, device: torch.device, dtype: torch.dtype | None = None) -> ServingModels:
+def load_models(model, device: torch.device, dtype: torch.dtype | None = None, quantization=None) -> ServingModels:
+    """quantization: what LLM(quantization=...) takes (chapter 08); the label names it."""
     from ..loader import load_model
     from ..model_files import embedded_model_path, resolve_source
 
@@ -72,16 +73,26 @@ def load_models(model, device: torch.device, dtype: torch.dtype | None = None) -
                              f"{', '.join(p + DUMMY for p in PRESETS)}")
         model = preset(name)
     if isinstance(model, ModelConfig):
-        m, cfg, _ = load_model(model, dtype=dtype, device=device, load_format="dummy")
-        label = f"{cfg.name or cfg.architecture} (dummy weights)"
+        m, cfg, _ = load_model(model, dtype=dtype, device=device, load_format="dummy", quantization=quantization)
+        label = f"{cfg.name or cfg.architecture} (dummy weights{_quant_label(quantization)})"
         return ServingModels(label, m, cfg, NoTextTokenizer(), cfg, dtype, device)
     if model is not None and not isinstance(model, (str, Path)):
         raise TypeError(f"model must be None, a preset name + '{DUMMY}', a path or a ModelConfig, not {model!r}")
     path = embedded_model_path() if model is None else resolve_source(model)
-    m, cfg, tok = load_model(path, dtype=dtype, device=device)
+    m, cfg, tok = load_model(path, dtype=dtype, device=device, quantization=quantization)
     if path.is_dir() and not (path / "config.json").is_file():  # a folder holding a GGUF file
         path = sorted(path.glob("*.gguf"))[0]
-    return ServingModels(cfg.name or path.name, m, cfg, tok, path, dtype, device)
+    label = (cfg.name or path.name) + (f" ({_quant_label(quantization)[2:]})" if quantization is not None else "")
+    return ServingModels(label, m, cfg, tok, path, dtype, device)
+
+
+def _quant_label(quantization) -> str:
+    if quantization is None:
+        return ""
+    if isinstance(quantization, dict):  # {"method": "awq", "group_size": 64} -> "awq group_size=64"
+        options = " ".join(f"{k}={v}" for k, v in quantization.items() if k != "method")
+        return f", {quantization.get('method')}" + (f" {options}" if options else "")
+    return f", {quantization if isinstance(quantization, str) else getattr(quantization, 'name', quantization)}"
 
 
 def random_requests(rng: random.Random, num: int, input_len: tuple[int, int], output_len: tuple[int, int],
