@@ -39,7 +39,7 @@ def _configs() -> list[triton.Config]:
         return [triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)]
     # Memory-bound: a latent tile is 512 wide, so a few keys per tile already make a large load; the
     # autotuner picks how many and how many loads stay in flight (untuned guesses until measured).
-    shapes = [(16, 4, 2), (32, 4, 2), (32, 8, 2), (64, 4, 2), (64, 8, 2), (64, 8, 3)]
+    shapes = [(16, 4, 2), (32, 4, 2), (32, 8, 2), (64, 8, 2)]
     return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in shapes]
 
 
