@@ -96,8 +96,8 @@ def tiny_checkpoint(name, cfg):
 def engine_greedy(model, prompt, n):
     """Greedy tokens through LLMEngine: paged cache (MLA: the latent), chunked prefill, CUDA graphs on a GPU.
     min_tokens keeps the checkpoint's EOS out, as HF's min_new_tokens does."""
-    engine = LLMEngine(model, TOKENIZER, model.config.eos_token_ids, EngineConfig(block_size=16, num_gpu_blocks=nb.pick(64, None),
-                                                          max_num_batched_tokens=8))  # a prompt in chunks
+    config = EngineConfig(block_size=16, num_gpu_blocks=64, max_num_seqs=4, max_num_batched_tokens=8)  # chunked
+    engine = LLMEngine(model, TOKENIZER, model.config.eos_token_ids, config)
     engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=n, min_tokens=n))
     while engine.has_unfinished_requests():
         for out in engine.step():
