@@ -116,16 +116,16 @@ def mla_config(q_lora_rank=None, yarn=False, **mla) -> ModelConfig:
 def run_cached(layer, rope, x, chunks: list[int], block_size: int, g) -> torch.Tensor:
     """x [n, hidden] of one sequence, fed in chunks (a prefill, more prefill, decodes) through a paged
     latent cache in shuffled blocks, unused rows NaN; the outputs of all chunks, concatenated."""
-    n, width = x.shape[0], layer.L + layer.R
+    n, width, dev = x.shape[0], layer.L + layer.R, x.device
     blocks = -(-n // block_size)
-    cache = torch.full((blocks + 2, block_size, 1, width), float("nan"), dtype=x.dtype)
-    table = (torch.randperm(blocks + 1, generator=g)[:blocks] + 1).to(torch.int32)[None]  # block 0 unused
+    cache = torch.full((blocks + 2, block_size, 1, width), float("nan"), dtype=x.dtype, device=dev)
+    table = (torch.randperm(blocks + 1, generator=g)[:blocks] + 1).to(dev, torch.int32)[None]  # block 0 unused
     layer.attn.kv_cache = (cache, None)
     outs, done = [], 0
     for c in chunks:
-        pos = torch.arange(done, done + c)
-        meta = AttentionMetadata.from_seq_lens([c])
-        meta.seq_lens = torch.tensor([done + c], dtype=torch.int32)
+        pos = torch.arange(done, done + c, device=dev)
+        meta = AttentionMetadata.from_seq_lens([c], dev)
+        meta.seq_lens = torch.tensor([done + c], dtype=torch.int32, device=dev)
         meta.block_table = table
         meta.slot_mapping = (table[0, pos // block_size].long() * block_size + pos % block_size)
         outs.append(layer(pos, x[done:done + c], meta, rope.cos_sin(pos, x.dtype)))
@@ -144,17 +144,19 @@ def test_absorbed_equals_naive(seed, q_lora_rank, yarn, interleave):
     for name, p in layer.named_parameters():
         p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name else torch.randn(p.shape, generator=g)
                 * p.shape[-1] ** -0.5)
+    layer.to(DEVICE)  # fp32 on a GPU too: the Triton kernels then take IEEE dots
     rope = DeepseekRotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                    config.rope_scaling)
+    rope.compute_cache(DEVICE)
     n = rng.randint(20, 40)
-    x = torch.randn(n, config.hidden_size, generator=g)
-    pos = torch.arange(n)
-    naive = layer(pos, x, AttentionMetadata.from_seq_lens([n]), rope.cos_sin(pos, x.dtype))  # up-projected K/V
-    first = rng.randint(1, n - 6)
-    chunks = [first, n - first - 4, 1, 1, 1, 1]  # prefill, a second chunk over cached keys, four decodes
-    absorbed = run_cached(layer, rope, x, chunks, rng.choice([1, 4, 16]), g)
-    assert rel(absorbed, naive) < 1e-5
-    with kernel_mode("triton"):  # the same through the Triton kernels (interpreter on a CPU)
+    x = torch.randn(n, config.hidden_size, generator=g).to(DEVICE)
+    pos = torch.arange(n, device=DEVICE)
+    with kernel_mode("torch"):  # the naive path (no cache) and the absorbed one through the references
+        naive = layer(pos, x, AttentionMetadata.from_seq_lens([n], DEVICE), rope.cos_sin(pos, x.dtype))
+        first = rng.randint(1, n - 6)
+        chunks = [first, n - first - 4, 1, 1, 1, 1]  # prefill, a second chunk over cached keys, four decodes
+        assert rel(run_cached(layer, rope, x, chunks, rng.choice([1, 4, 16]), g), naive) < 1e-5
+    with kernel_mode("triton"):  # the same through the Triton kernels (the interpreter on a CPU)
         assert rel(run_cached(layer, rope, x, chunks, 4, g), naive) < 1e-5
 
 
