@@ -50,7 +50,14 @@ def _load(args):
     # and capturing one graph instead of twenty keeps start-up short on a GPU; each prompt is one
     # prefill step, cheaper run eagerly than captured for a single use
     return LLM(args.model, dtype=args.dtype, device=args.device, cuda_graph_max_batch=1, cuda_graph_max_tokens=0,
-               kv_cache_dtype=args.kv_cache_dtype, quantization=_quantization(args))
+               kv_cache_dtype=args.kv_cache_dtype, quantization=_quantization(args),
+               speculative_config=_speculative(args))
+
+
+def _speculative(args):
+    from .spec_decode.config import from_cli_args
+
+    return from_cli_args(args)
 
 
 def _quantization(args):
@@ -76,6 +83,8 @@ def _stream(llm, prompt, params) -> str:
     print(flush=True)
     how = "no KV cache" if llm.engine is None else "paged KV cache"
     print(f"[{n} tokens in {seconds:.1f} s: {n / seconds:.1f} tok/s, {llm.device}, {how}]", file=sys.stderr)
+    if llm.engine is not None and llm.engine.proposer is not None:  # chapter 09: the drafts' acceptance so far
+        print(f"[{llm.engine.engine_stats.spec.summary()}]", file=sys.stderr)
     return text
 
 
@@ -216,6 +225,8 @@ def _default_group_size(model) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .spec_decode.config import add_cli_args as add_speculative_args
+
     p = argparse.ArgumentParser(prog="minillm", description="minillm: an LLM inference engine you can read.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -241,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "int8"],
                        help="KV cache storage: auto (the model's dtype), fp8 (e4m3) or int8 with calibrated scales")
         g.add_argument("--quantization", default=None, help=QUANTIZATION_HELP)
+        add_speculative_args(g)
         g.set_defaults(fn=_generate if name == "generate" else _chat)
 
     labs = sub.add_parser("labs", help="lab notebooks")

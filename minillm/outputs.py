@@ -35,3 +35,4 @@ class RequestOutput:
     finished: bool = True
     metrics: object | None = None  # the engine's RequestMetrics: arrival, first token, finish times
     error: str | None = None  # why the engine ended this request early (finish_reason "error")
+    spec: object | None = None  # SpecDecodeMetrics of its sequences (chapter 09); None: no speculation

@@ -18,6 +18,7 @@ import random
 
 from .outputs import CompletionOutput, Logprob
 from .sampling import SamplingParams
+from .spec_decode.metrics import SpecDecodeMetrics
 from .tokenizer import IncrementalDetokenizer
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -51,6 +52,13 @@ class Sequence:
         self.seq_id = -1
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        # Speculative decoding (chapter 09): this step's draft tokens (verified after the last token, not
+        # part of token_ids until accepted), the distributions they were drawn from ([k, vocab] or None),
+        # how many positions a draft model's own cache holds, and the acceptance counters.
+        self.spec_token_ids: list[int] = []
+        self.spec_probs = None
+        self.num_draft_computed = 0
+        self.spec = SpecDecodeMetrics()
 
     @property
     def finished(self) -> bool:

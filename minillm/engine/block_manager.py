@@ -116,6 +116,14 @@ class BlockManager:
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, self.num_used_blocks)
         return True
 
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Give back the blocks past the first num_tokens tokens (chapter 09: slots reserved for draft
+        tokens that were rejected; they were never named for the prefix cache)."""
+        table = self.block_tables.get(seq_id)
+        keep = self.blocks_needed(num_tokens)
+        while table is not None and len(table) > keep:
+            self._drop(table.pop())
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (copy-on-write later)."""
         table = self.block_tables[parent_id]

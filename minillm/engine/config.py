@@ -11,6 +11,7 @@ import torch
 from ..cache import KVCacheSpec, PagedKVCache, kv_cache_spec
 from ..checks import check_choice, check_int, is_int
 from ..layers.quantization.kv_cache import check_kv_cache_device, kv_cache_torch_dtype
+from ..spec_decode.config import SpeculativeConfig
 
 CPU_KV_CACHE_BYTES = 512 * 2**20  # KV pool on a CPU when num_gpu_blocks is not given
 MAX_SWAP_SPACE_GIB = 1 << 20  # a sanity bound (1 PiB): anything above is a typo, and inf cannot be sized
@@ -39,6 +40,10 @@ class EngineConfig:
     # what the KV cache stores (chapter 08): "auto" (the model's dtype), "fp8"/"fp8_e4m3" or "int8": one
     # byte per number with calibrated per-head scales, so the pool holds twice the tokens
     kv_cache_dtype: str = "auto"
+    # speculative decoding (chapter 09), vLLM's keys: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": a, "prompt_lookup_max": b}, {"model": PATH, "num_speculative_tokens": k},
+    # {"method": "layer_skip", "num_draft_layers": L, "num_speculative_tokens": k}; None: off
+    speculative_config: dict | SpeculativeConfig | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_batch"):
@@ -67,8 +72,13 @@ class EngineConfig:
         if not isinstance(self.enforce_eager, bool):
             raise TypeError(f"enforce_eager must be True or False, not {self.enforce_eager!r}")
         kv_cache_torch_dtype(self.kv_cache_dtype)  # an unknown name fails here, before any model is touched
+        if self.speculative_config is not None:
+            self.speculative_config = spec = SpeculativeConfig.from_dict(self.speculative_config)
+            if spec.num_speculative_tokens + 1 > self.max_num_batched_tokens:
+                raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} does not "
+                                 f"fit a step of max_num_batched_tokens={self.max_num_batched_tokens} beside its token")
 
-    def resolve(self, model) -> ResolvedSizes:
+    def resolve(self, model, draft_model=None) -> ResolvedSizes:
         """The sizes this config means for this model, worked out once: the context, the KV pool on the
         GPU (num_gpu_blocks, or what gpu_memory_utilization leaves, or a fixed budget on a CPU) and the
         CPU blocks for swapping. The engine, its runner and (chapter 09) a draft model read them here."""
@@ -79,13 +89,15 @@ class EngineConfig:
         specs = kv_cache_spec(model, kv_dtype)
         max_model_len = min(self.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         block_bytes = PagedKVCache.block_bytes(specs, self.block_size)
+        # a draft model's pool has as many blocks (the same ids): size the pair together
+        pool_specs = specs + (kv_cache_spec(draft_model) if draft_model is not None else [])
         if self.num_gpu_blocks is not None:
             num_blocks = self.num_gpu_blocks
         elif param.device.type == "cuda":
-            num_blocks = PagedKVCache.blocks_for_memory(specs, self.block_size, param.device,
+            num_blocks = PagedKVCache.blocks_for_memory(pool_specs, self.block_size, param.device,
                                                         self.gpu_memory_utilization)
         else:
-            num_blocks = max(2, CPU_KV_CACHE_BYTES // block_bytes)
+            num_blocks = max(2, CPU_KV_CACHE_BYTES // PagedKVCache.block_bytes(pool_specs, self.block_size))
         num_cpu = self.num_cpu_blocks
         if num_cpu is None:  # CPU blocks only matter for swapping
             num_cpu = int(self.swap_space * 2**30) // block_bytes if self.preemption_mode == "swap" else 0

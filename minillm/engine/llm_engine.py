@@ -21,6 +21,15 @@ max_tokens beyond the context or the whole block pool) is refused in add_request
 is served, under memory pressure by preemption. A step that fails (the model raises, or one
 request's sampling does) ends only the requests it concerns, with finish_reason "error", and the
 engine goes on serving the others.
+
+Speculative decoding (chapter 09, EngineConfig.speculative_config): the scheduler reserves up to k
+extra tokens for each decoding sequence; after the block copies, the proposer fills them with draft
+tokens (`_propose`); the step computes the last token and the drafts together, with logits at all
+k + 1 rows; the rejection sampler keeps a prefix of the drafts plus one token (`_verify`), appended
+one by one with the stop checks; then `_rollback` sets num_computed_tokens to the accepted tokens
+(the rejected slots are overwritten later), gives back blocks past the sequence's end, and names the
+newly full, accepted blocks for the prefix cache. Requests whose next-token distribution depends on
+the tokens just accepted (penalties, logprobs, before min_tokens) get no drafts.
 """
 
 from __future__ import annotations
@@ -39,7 +48,9 @@ from ..checks import check_int
 from ..inputs import check_length, prompt_ids
 from ..outputs import RequestOutput
 from ..sampling import Sampler, SamplingMetadata, SamplingParams
+from ..sampling.rejection_sampler import RejectionSampler, spec_metadata
 from ..sequence import Sequence, append_tokens, make_sequences
+from ..spec_decode import SpecDecodeMetrics, make_proposer
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .model_runner import ModelRunner
@@ -76,9 +87,13 @@ class SequenceGroup:
     def finished(self) -> bool:
         return all(s.finished for s in self.seqs)
 
-    def to_output(self) -> RequestOutput:
+    def to_output(self, speculative: bool = False) -> RequestOutput:
+        spec = SpecDecodeMetrics()
+        for s in self.seqs if speculative else ():
+            spec = spec.merge(s.spec)
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, [s.to_output() for s in self.seqs],
-                             finished=self.finished, metrics=self.metrics, error=self.error)
+                             finished=self.finished, metrics=self.metrics, error=self.error,
+                             spec=spec if speculative else None)
 
 
 class LLMEngine:
@@ -91,7 +106,13 @@ class LLMEngine:
         if bad:  # a sequence could never stop on them, and banning them before min_tokens would fail
             raise ValueError(f"eos_token_ids {bad} are not token ids of this model (0..{vocab - 1})")
         self.eos_token_ids = list(eos_token_ids)
-        self.sizes = sizes = config.resolve(model)  # max_model_len, block counts: worked out once
+        self.spec_config = spec = config.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            from ..spec_decode.draft_model import load_draft_model
+
+            draft = load_draft_model(spec, model)
+        self.sizes = sizes = config.resolve(model, draft)  # max_model_len, block counts: worked out once
         self.max_model_len = sizes.max_model_len
         self.engine_stats = EngineStats()  # every counter of the engine's parts, in one object
         self.cache = PagedKVCache(list(sizes.kv_cache_spec), sizes.num_gpu_blocks, config.block_size, sizes.device,
@@ -103,6 +124,14 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache, config, sizes.max_model_len)
         self.runner.capture_cuda_graphs(progress)
         self.sampler = Sampler()
+        self.proposer = None
+        if spec is not None:
+            if spec.num_speculative_tokens + 2 > sizes.max_model_len:
+                raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} is too "
+                                 f"large for max_model_len={sizes.max_model_len}")
+            self.proposer = make_proposer(spec, model, self.runner, sizes, draft)
+            self.rejection_sampler = RejectionSampler()
+            self.scheduler.num_lookahead = self._num_lookahead
         self.groups: dict[str, SequenceGroup] = {}
         self._group_of: dict[int, SequenceGroup] = {}
         self._seq_ids, self._arrivals = itertools.count(1), itertools.count()
@@ -178,19 +207,95 @@ class LLMEngine:
         stream skips copying every running sequence's tokens at every step."""
         sched = self.scheduler.schedule()
         self.runner.swap_and_copy(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
+        failed, reserved = [], []
+        if self.proposer is not None:
+            self.proposer.copy_blocks(sched.blocks_to_copy)
+            failed, reserved = self._propose(sched)
         if sched.is_empty:
-            return []
+            return failed
         logits_indices, samplers = self._logits_rows(sched)
         try:
             logits = self.runner.execute(sched.scheduled, self.block_manager.block_tables, logits_indices)
         except Exception as e:  # the forward pass concerns every scheduled request
-            return self._fail({self._group_of[s.seq_id]: e for s, _ in sched.scheduled})
+            return failed + self._fail({self._group_of[s.seq_id]: e for s, _ in sched.scheduled})
         self._advance(sched)
         if not samplers:  # only prompt chunks ran: their K/V are cached, nothing to sample yet
-            return []
+            return failed
         seqs, logits = self._join_forks(samplers, logits)
-        failed = self._fail(self._sample(seqs, logits))
+        failed += self._fail(self._sample(seqs, logits))
+        for seq in reserved:  # slots reserved for drafts that were not proposed, or not accepted
+            if not seq.finished:
+                self.block_manager.trim(seq.seq_id, seq.num_tokens)
         return failed + self._outputs([s for s in seqs if s.seq_id in self._group_of], unfinished_outputs)
+
+    # ---- speculative decoding (chapter 09) ---------------------------------------------------------
+
+    def _num_lookahead(self, seq: Sequence, batch_size: int) -> int:
+        """Draft tokens seq may carry this step: k (0 when the batch is too large, see
+        SpeculativeConfig.disable_by_batch_size), fewer near max_tokens or the context's end (a step
+        emits at most k + 1 tokens), none when its distribution depends on the tokens accepted."""
+        k, p = self.spec_config.speculative_tokens(batch_size), seq.params
+        if k == 0 or p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty \
+                or p.frequency_penalty or len(seq.output_ids) < p.min_tokens:
+            return 0
+        left = self.max_model_len - seq.num_tokens - 1
+        if p.max_tokens is not None:
+            left = min(left, p.max_tokens - len(seq.output_ids) - 1)
+        return max(0, min(k, left))
+
+    def _propose(self, sched: SchedulerOutput) -> tuple[list[RequestOutput], list[Sequence]]:
+        """Fill the slots the scheduler reserved with draft tokens; -> (outputs of requests whose drafting
+        failed, the sequences that had slots reserved)."""
+        want = [(i, s, n - 1) for i, (s, n) in enumerate(sched.scheduled) if n > s.num_tokens - s.num_computed_tokens]
+        if not want:
+            return [], []
+        seqs = [s for _, s, _ in want]
+        try:
+            drafts, probs = self.proposer.propose(seqs, [k for *_, k in want], self.block_manager.block_tables)
+        except Exception as e:  # a broken draft concerns the sequences it drafted for
+            failed = self._fail({self._group_of[s.seq_id]: e for s in seqs})
+            sched.scheduled = [(s, n) for s, n in sched.scheduled if s.seq_id in self._group_of]
+            return failed, []
+        d = 0
+        for (i, seq, _), draft in zip(want, drafts):
+            seq.spec_token_ids = draft
+            seq.spec_probs = probs[d : d + len(draft)] if probs is not None else None
+            d += len(draft)
+            sched.scheduled[i] = (seq, 1 + len(draft))
+        return [], seqs
+
+    def _verify(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Sequences with drafts: logits [sum(k + 1), vocab] -> accept, append, roll back."""
+        num_draft = [len(s.spec_token_ids) for s in seqs]
+        probs = [s.spec_probs for s in seqs]
+        draft_probs = torch.cat(probs) if all(p is not None for p in probs) else None  # [D, V]
+        meta = spec_metadata([s.params for s in seqs], [s.seed for s in seqs], [len(s.output_ids) for s in seqs],
+                             num_draft, logits.shape[1], logits.device)
+        emitted = self.rejection_sampler(logits, num_draft, [t for s in seqs for t in s.spec_token_ids],
+                                         draft_probs, meta)
+        for seq, k, tokens in zip(seqs, num_draft, emitted):
+            seq.spec.record(k, len(tokens) - 1)
+            self.engine_stats.spec.record(k, len(tokens) - 1)
+            for t in tokens:  # one by one: EOS, a stop string or max_tokens may end it inside the run
+                seq.append(t)
+                self.engine_stats.num_generation_tokens += 1
+                if seq.finished:
+                    break
+            self._rollback(seq, len(tokens) - 1)
+
+    def _rollback(self, seq: Sequence, accepted: int) -> None:
+        """After a verify: the K/V of the last token and the accepted drafts stand; the rest is past
+        num_computed_tokens (overwritten when the sequence gets there)."""
+        before = seq.num_computed_tokens - 1 - len(seq.spec_token_ids)  # computed when the step began
+        seq.spec_token_ids, seq.spec_probs = [], None
+        if seq.finished:
+            return
+        seq.num_computed_tokens = seq.num_tokens - 1  # = before + 1 + accepted
+        seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+        bs = self.block_manager.block_size
+        self.block_manager.trim(seq.seq_id, seq.num_tokens)
+        if before // bs != seq.num_computed_tokens // bs:  # accepted tokens filled a block: name it now
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     def _logits_rows(self, sched: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
         """Which rows of the step's packed tokens get logits (vLLM's logits_indices), and whose they are: a
@@ -198,8 +303,9 @@ class LLMEngine:
         rows, seqs, offset = [], [], 0
         for s, n in sched.scheduled:
             offset += n
-            if s.num_computed_tokens + n == s.num_tokens:
-                rows.append(offset - 1)
+            k = len(s.spec_token_ids)  # drafts: a row for the last token and each of them
+            if s.num_computed_tokens + n == s.num_tokens + k:
+                rows += range(offset - 1 - k, offset)
                 seqs.append(s)
         return rows, seqs
 
@@ -213,14 +319,15 @@ class LLMEngine:
             before = seq.num_computed_tokens
             seq.num_computed_tokens += n
             stats.num_prompt_tokens += max(0, min(seq.num_computed_tokens, len(seq.prompt_ids)) - before)
-            if before // bs != seq.num_computed_tokens // bs:  # a block just filled: name it for reuse
+            # a block just filled: name it for reuse (drafts: only once accepted, in _rollback)
+            if before // bs != seq.num_computed_tokens // bs and not seq.spec_token_ids:
                 self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     def _join_forks(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
         """A request with n > 1 whose prompt just finished: its n - 1 forks take its blocks and sample
-        their first token from its logits row."""
-        out, take = [], []
-        for row, seq in enumerate(seqs):
+        their first token from its logits row. (A sequence with drafts has 1 + k rows, and no forks.)"""
+        out, take, row = [], [], 0
+        for seq in seqs:
             group = self._group_of[seq.seq_id]
             if group.pending_forks and seq is group.seqs[0]:
                 for child in group.pending_forks:
@@ -231,7 +338,8 @@ class LLMEngine:
                     take.append(row)
                 group.pending_forks = []
             out.append(seq)
-            take.append(row)
+            take += range(row, row + 1 + len(seq.spec_token_ids))
+            row += 1 + len(seq.spec_token_ids)
         if len(take) != logits.shape[0]:
             logits = logits[torch.tensor(take, device=logits.device)]  # [len(out), vocab]
         return out, logits
@@ -245,18 +353,33 @@ class LLMEngine:
             return {}
         except Exception:
             pass
-        failed = {}
-        for i, seq in enumerate(seqs):
-            group = self._group_of[seq.seq_id]
+        failed, row = {}, 0
+        for seq in seqs:
+            group, rows = self._group_of[seq.seq_id], 1 + len(seq.spec_token_ids)
+            row += rows
             if group in failed or seq.num_tokens > seq.num_computed_tokens:  # failed, or got its token already
                 continue
             try:
-                self._sample_batch([seq], logits[i : i + 1])
+                self._sample_batch([seq], logits[row - rows : row])
             except Exception as e:
                 failed[group] = e
         return failed
 
     def _sample_batch(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Plain sequences (one row each) through the Sampler, those with drafts through _verify."""
+        if not any(s.spec_token_ids for s in seqs):
+            return self._sample_plain(seqs, logits)
+        starts = [0]
+        for s in seqs:
+            starts.append(starts[-1] + 1 + len(s.spec_token_ids))
+        plain = [i for i, s in enumerate(seqs) if not s.spec_token_ids]
+        spec = [i for i, s in enumerate(seqs) if s.spec_token_ids]
+        if plain:
+            self._sample_plain([seqs[i] for i in plain], logits[torch.tensor([starts[i] for i in plain])])
+        rows = torch.tensor([r for i in spec for r in range(starts[i], starts[i + 1])], device=logits.device)
+        self._verify([seqs[i] for i in spec], logits[rows])
+
+    def _sample_plain(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         params = [s.params for s in seqs]
         banned = [s.banned_tokens() for s in seqs]
         if all(_plain_greedy(p) for p in params) and not any(banned):  # the common case, without the setup
@@ -288,7 +411,7 @@ class LLMEngine:
                 for s in group.seqs:
                     self._group_of.pop(s.seq_id, None)
             if group.finished or unfinished_outputs:
-                outputs.append(group.to_output())
+                outputs.append(group.to_output(self.proposer is not None))
         return outputs
 
     def _fail(self, errors: dict[SequenceGroup, Exception]) -> list[RequestOutput]:
@@ -304,7 +427,7 @@ class LLMEngine:
             self.groups.pop(group.request_id, None)
             group.metrics.finished_time = time.perf_counter()
             self.engine_stats.num_failed_requests += 1
-            outputs.append(group.to_output())
+            outputs.append(group.to_output(self.proposer is not None))
         return outputs
 
     # ---- warm-up ---------------------------------------------------------------------------------

@@ -30,11 +30,41 @@ from .cuda_graphs import StepGraphs, cuda_graph_sizes, token_buckets
 
 
 def new_tokens(seq: Sequence, start: int, n: int) -> list[int]:
-    """seq.token_ids[start:start + n] without building the whole list (decode: one token)."""
-    P = len(seq.prompt_ids)
+    """seq.token_ids[start:start + n] without building the whole list (decode: one token); past the
+    sequence's end, its draft tokens of this step (chapter 09: verified beside the last token)."""
+    P, end = len(seq.prompt_ids), seq.num_tokens
+    if start + n > end:
+        return new_tokens(seq, start, end - start) + seq.spec_token_ids[: start + n - end]
     if start >= P:
         return seq.output_ids[start - P : start - P + n]
     return (seq.prompt_ids[start : start + n] + seq.output_ids[: max(0, start + n - P)])[:n]
+
+
+def pack(chunks: list[tuple[int, list[int], list[int]]], block_size: int):
+    """(start position, new token ids, block table) per sequence -> the step's packed lists: ids, positions,
+    slots [T]; seq_lens [B]; block table rows [B, W] padded with 0."""
+    ids, pos, slots, seq_lens, tables = [], [], [], [], []
+    for start, tokens, table in chunks:
+        n = len(tokens)
+        ids += tokens
+        pos += range(start, start + n)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+        seq_lens.append(start + n)
+        tables.append(table)
+    width = max(len(t) for t in tables)
+    return ids, pos, slots, seq_lens, [t + [0] * (width - len(t)) for t in tables]
+
+
+def forward_packed(model, device, packed, query_lens: list[int], logits_indices: list[int]) -> torch.Tensor:
+    """One eager forward pass over pack()'s lists; -> logits [len(logits_indices), vocab] fp32."""
+    ids, pos, slots, seq_lens, table = packed
+    meta = AttentionMetadata.from_seq_lens(query_lens, device)
+    meta.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)  # [B]
+    meta.block_table = torch.tensor(table, dtype=torch.int32, device=device)  # [B, W]
+    meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)  # [T]
+    hidden = model(torch.tensor(ids, device=device), torch.tensor(pos, device=device), meta)  # [T, hidden]
+    rows = torch.tensor(logits_indices, dtype=torch.long, device=device)  # [rows]
+    return model.compute_logits(hidden[rows])  # [rows, vocab]
 
 
 class ModelRunner:
@@ -63,19 +93,8 @@ class ModelRunner:
     # ---- inputs ----------------------------------------------------------------------------------
 
     def prepare(self, scheduled: list[tuple[Sequence, int]], block_tables: dict[int, list[int]]):
-        bs = self.block_size
-        ids, pos, slots, seq_lens, tables = [], [], [], [], []
-        for seq, n in scheduled:
-            start = seq.num_computed_tokens
-            table = block_tables[seq.seq_id]
-            ids += new_tokens(seq, start, n)
-            pos += range(start, start + n)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            seq_lens.append(start + n)
-            tables.append(table)
-        width = max(len(t) for t in tables)
-        table_rows = [t + [0] * (width - len(t)) for t in tables]
-        return ids, pos, slots, seq_lens, table_rows
+        return pack([(s.num_computed_tokens, new_tokens(s, s.num_computed_tokens, n), block_tables[s.seq_id])
+                     for s, n in scheduled], self.block_size)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]], block_tables: dict[int, list[int]],
@@ -83,22 +102,20 @@ class ModelRunner:
         """Run one step; -> logits [len(logits_indices), vocab] fp32 at those rows of the packed tokens
         (vLLM's logits_indices: each sampling sequence's last token; chapter 09 asks for several per
         sequence, one per draft token)."""
-        if self._first_layer.kv_cache is None or self._first_layer.kv_cache[0] is not self.cache.k_caches[0]:
-            self.cache.bind(self.model)  # someone else (chapter 03's one-request path) used the model meanwhile
+        self.bind()
         ids, pos, slots, seq_lens, table = self.prepare(scheduled, block_tables)
         query_lens = [n for _, n in scheduled]
         graphs = self._live_graphs()
         shape = graphs.shape_for(len(ids), len(scheduled), len(logits_indices)) if graphs is not None else None
         if shape is not None:
             return graphs.run(shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices)
-        dev = self.device
-        meta = AttentionMetadata.from_seq_lens(query_lens, dev)
-        meta.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)  # [B]
-        meta.block_table = torch.tensor(table, dtype=torch.int32, device=dev)  # [B, W]
-        meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)  # [T]
-        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta)  # [T, hidden]
-        rows = torch.tensor(logits_indices, dtype=torch.long, device=dev)  # [rows]
-        return self.model.compute_logits(hidden[rows])  # [rows, vocab]
+        return forward_packed(self.model, self.device, (ids, pos, slots, seq_lens, table), query_lens, logits_indices)
+
+    def bind(self) -> None:
+        """Point the model's attention layers at the pool (again, if someone else, chapter 03's
+        one-request path, used the model meanwhile)."""
+        if self._first_layer.kv_cache is None or self._first_layer.kv_cache[0] is not self.cache.k_caches[0]:
+            self.cache.bind(self.model)
 
     def swap_and_copy(self, swap_out, swap_in, copies) -> None:
         """Block moves the scheduler asked for, before the step's forward pass writes anything."""

@@ -14,6 +14,10 @@ Continuous batching (Orca's iteration-level scheduling) decides again at every s
        max_num_seqs allow. A prompt longer than what is left of the budget is cut: chunked prefill,
        so one long prompt never stalls everybody's decode.
 
+Speculative decoding (chapter 09): `num_lookahead(seq, batch_size)` (set by the engine) says how many
+draft tokens a decoding sequence may carry this step; the scheduler reserves their token budget and KV
+slots with its own (1 + k tokens), or runs it without drafts when the pool cannot hold them.
+
 Order is (priority, arrival): lower priority values go first, then first come, first served.
 Finished sequences leave at once (`finish`), so their blocks serve someone else the next step.
 """
@@ -55,6 +59,7 @@ class Scheduler:
         # seq_id -> how many sequences it becomes when its prompt is done (n > 1: the forks of parallel
         # sampling). Admission counts them against max_num_seqs up front, so the forks always fit.
         self._fanout: dict[int, int] = {}
+        self.num_lookahead = None  # (seq, running batch size) -> draft tokens it may carry; None: no drafts
 
     def add(self, seq: Sequence, priority: int, arrival: int, fanout: int = 1) -> None:
         self._order[seq.seq_id] = (priority, arrival, seq.seq_id)
@@ -98,10 +103,17 @@ class Scheduler:
         queue = sorted(self.running, key=lambda s: (order[s.seq_id][0], s.num_tokens - s.num_computed_tokens > 1,
                                                     order[s.seq_id][1:]))
         self.running = []
+        lookahead, batch = self.num_lookahead, len(queue)
         while queue:
             seq = queue.pop(0)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n > 0:
+            # one token to go (a prompt's last one too), and no forks waiting for this step's logits
+            decoding = seq.num_tokens - seq.num_computed_tokens == 1 and seq.seq_id not in self._fanout
+            k = min(lookahead(seq, batch), budget - 1) if lookahead is not None and decoding else 0
+            if k > 0 and self.bm.allocate_slots(seq.seq_id, seq.num_computed_tokens + 1 + k, 1 + k):
+                out.scheduled.append((seq, 1 + k))  # the last token and k drafts, proposed after scheduling
+                budget -= 1 + k
+            elif n > 0:
                 while not self.bm.allocate_slots(seq.seq_id, seq.num_computed_tokens + n, n):
                     victim = queue.pop() if queue else seq  # lowest priority first; itself last
                     self._preempt(victim, out)
@@ -153,6 +165,7 @@ class Scheduler:
             self.waiting.pop(0)
             self.bm.count_prefix_hits(seq.token_ids, len(hits))
             seq.num_computed_tokens = computed
+            seq.num_draft_computed = 0  # prefix hits hold the target's K/V, not a draft model's
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seats -= self._seats(seq)
@@ -166,6 +179,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.stats.num_preemptions += 1
         out.preempted.append(seq)
+        seq.num_draft_computed = 0  # a draft model's pool is neither swapped nor kept: it drafts from scratch
         if self.config.preemption_mode == "swap" and self.bm.can_swap_out(seq.seq_id):
             out.blocks_to_swap_out += self.bm.swap_out(seq.seq_id)
             seq.status = SequenceStatus.SWAPPED

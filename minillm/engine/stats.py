@@ -8,7 +8,10 @@ notebook, chapter 12's /metrics) finds them in one place.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+import copy
+from dataclasses import dataclass, field, fields
+
+from ..spec_decode.metrics import SpecDecodeMetrics
 
 
 @dataclass
@@ -22,6 +25,7 @@ class EngineStats:
     num_prompt_tokens: int = 0  # prompt tokens computed (a preempted prompt counts again)
     num_generation_tokens: int = 0  # tokens sampled
     num_failed_requests: int = 0  # requests ended by an error in their step (finish_reason "error")
+    spec: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)  # drafts and acceptance (chapter 09)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -29,11 +33,13 @@ class EngineStats:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
     def snapshot(self) -> EngineStats:
-        return replace(self)
+        return copy.deepcopy(self)
 
     def restore(self, snap: EngineStats) -> None:
-        for key, value in asdict(snap).items():
-            setattr(self, key, value)
+        for f in fields(self):
+            setattr(self, f.name, copy.deepcopy(getattr(snap, f.name)))
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "prefix_hit_rate": self.prefix_hit_rate}
+        counters = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "spec"}
+        return {**counters, "prefix_hit_rate": self.prefix_hit_rate,
+                **{f"spec_{k}": v for k, v in self.spec.as_dict().items()}}

@@ -1,0 +1,250 @@
+"""Chapter 09's engine oracle: speculative decoding changes how many tokens a step emits, never which.
+
+With every proposer (n-gram lookup, layer skip, a separate draft model), greedy requests through the
+speculating engine get exactly the tokens chapter 03's one-request path gives them: batched, with a
+tiny KV pool forcing preemption (recompute and swap), prefix caching, chunked prefill, n > 1 and aborts
+mid-flight. A draft model equal to the target accepts every draft, which drives long accepted runs
+through the rollback: EOS, stop tokens, stop strings and max_tokens inside a run, blocks crossed by
+drafts, blocks given back. Seeded sampling gives the same tokens alone and batched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from test_engine import alone, blocks_for, random_requests
+from tiny_models import random_model
+
+from minillm import SamplingParams
+from minillm.engine import EngineConfig, LLMEngine
+from minillm.generation import generate_sequences
+from minillm.spec_decode import SpeculativeConfig
+
+
+def spec_config(method: str, rng: random.Random, target) -> dict:
+    k = rng.choice([1, 2, 4])
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": rng.choice([1, 2]),
+                "prompt_lookup_max": 3}
+    if method == "layer_skip":
+        return {"method": "layer_skip", "num_draft_layers": 1, "num_speculative_tokens": k}
+    if method == "self":  # the target drafts for itself: every draft is accepted
+        return {"model": target, "num_speculative_tokens": k}
+    draft, _ = random_model(rng)  # another random shape, the same vocabulary
+    return {"model": draft, "num_speculative_tokens": k}
+
+
+def check_blocks(engine: LLMEngine) -> None:
+    """Between steps: no sequence holds blocks past its tokens, and only accepted tokens' full blocks
+    are named in the prefix cache."""
+    bm = engine.block_manager
+    pc = bm.prefix_cache
+    for seq in engine.scheduler.running:
+        table = bm.block_tables[seq.seq_id]
+        assert len(table) <= bm.blocks_needed(seq.num_tokens), (seq.seq_id, len(table), seq.num_tokens)
+        assert not seq.spec_token_ids
+        if pc is not None:
+            assert not any(b in pc for b in table[seq.num_computed_tokens // bm.block_size :])
+
+
+def drain(engine: LLMEngine, abort: set[str] = frozenset(), at_step: int = 3) -> dict:
+    got, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id] = [c.token_ids for c in out.outputs]
+        check_blocks(engine)
+        steps += 1
+        if steps == at_step and abort:
+            engine.abort_request(sorted(abort))
+    bm = engine.block_manager
+    assert not bm.block_tables and not bm.cpu_tables and sum(bm.ref_counts) == 0  # everything given back
+    return got
+
+
+def repetitive_requests(rng, vocab, count):
+    """Greedy requests whose prompts repeat a phrase (something for the n-gram lookup to find)."""
+    out = []
+    for prompt, params in random_requests(rng, vocab, count):
+        if rng.random() < 0.5:
+            prompt = (prompt[-6:] or [1]) * 3
+        out.append((prompt, dataclasses.replace(params, temperature=0.0, seed=None, top_p=1.0)))
+    return out
+
+
+@pytest.mark.parametrize("method, case", [("ngram", 0), ("ngram", 1), ("layer_skip", 1), ("draft", 0), ("self", 1)])
+def test_speculating_engine_matches_plain_greedy(seed, tok, method, case):
+    rng = random.Random(seed * 100 + case + 17 * len(method))
+    model, config = random_model(rng)
+    requests = repetitive_requests(rng, config.vocab_size, rng.randrange(4, 9))
+    expected = [alone(model, tok, p, sp) for p, sp in requests]
+    block_size = rng.choice([1, 2, 4])
+    ec = EngineConfig(block_size=block_size, num_gpu_blocks=blocks_for(requests, block_size) + 6 + rng.randrange(0, 6),
+                      num_cpu_blocks=64, preemption_mode=["recompute", "swap"][case],
+                      enable_prefix_caching=[None, "hash", "radix"][rng.randrange(3)],
+                      max_num_batched_tokens=rng.randrange(8, 40), max_num_seqs=rng.randrange(3, 9),
+                      speculative_config=spec_config(method, rng, model))
+    engine = LLMEngine(model, tok, [], ec)
+    aborted = {f"r{i}" for i in range(len(requests)) if rng.random() < 0.15}
+    for i, (p, sp) in enumerate(requests):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp, priority=rng.choice([0, 0, 1]))
+    got = drain(engine, aborted)
+    for i, want in enumerate(expected):
+        rid = f"r{i}"
+        if rid in aborted:
+            for g, w in zip(got.get(rid, []), want):
+                assert g == w[: len(g)], (rid, g, w)
+            continue
+        assert got[rid] == want, f"{rid}: engine {got[rid]} vs alone {want} ({ec})"
+    spec = engine.engine_stats.spec
+    assert spec.num_draft_tokens > 0 or method == "ngram"
+    if method == "self":
+        assert spec.num_accepted_tokens == spec.num_draft_tokens > 0  # the target agrees with itself
+
+
+def test_preemption_under_pressure_with_drafts(seed, tok):
+    """Long requests, a pool that holds about one: sequences with drafts are preempted and resume."""
+    rng = random.Random(seed)
+    model, config = random_model(rng)
+    greedy = SamplingParams(max_tokens=28, temperature=0)
+    prompts = [[rng.randrange(config.vocab_size) for _ in range(10)] for _ in range(4)]
+    want = [alone(model, tok, p, greedy) for p in prompts]
+    for mode, spec in (("recompute", {"model": model}), ("swap", {"method": "layer_skip", "num_draft_layers": 1})):
+        engine = LLMEngine(model, tok, [], EngineConfig(
+            block_size=4, num_gpu_blocks=13, num_cpu_blocks=40, preemption_mode=mode, max_num_batched_tokens=64,
+            speculative_config=spec | {"num_speculative_tokens": 3}))
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": p}, greedy)
+        got = drain(engine)
+        assert [got[str(i)] for i in range(4)] == want
+        assert engine.stats["num_preemptions"] > 0, mode
+        assert engine.stats["spec_num_accepted_tokens"] > 0
+
+
+def greedy_run(model, tok, prompt, n=24):
+    *_, seqs = generate_sequences(model, tok, prompt, SamplingParams(max_tokens=n, temperature=0), [])
+    return seqs[0]
+
+
+@pytest.mark.parametrize("stop", ["eos", "stop_token", "stop_string", "max_tokens"])
+def test_a_stop_inside_an_accepted_run(seed, tok, stop):
+    """A draft = target accepts k tokens a step; the stop lands in the middle of a run and the tokens
+    after it are dropped, exactly as plain decoding stops there."""
+    rng = random.Random(seed)
+    model, config = random_model(rng)
+    prompt = [rng.randrange(config.vocab_size) for _ in range(7)]
+    plain = greedy_run(model, tok, prompt)
+    at = 5  # the output token that ends the request (0-based)
+    eos, params = [], SamplingParams(max_tokens=24, temperature=0)
+    if stop == "eos":
+        eos = [plain.output_ids[at]]
+    elif stop == "stop_token":
+        params.stop_token_ids = [plain.output_ids[at]]
+    elif stop == "stop_string":
+        text = tok.decode(plain.output_ids[: at + 1])
+        params.stop = [text[-3:]] if len(text) >= 3 else [text]
+    else:
+        params.max_tokens = at + 1
+    want = alone(model, tok, prompt, params, eos)[0]
+    engine = LLMEngine(model, tok, eos, EngineConfig(block_size=2, num_gpu_blocks=64,
+                                                     speculative_config={"model": model, "num_speculative_tokens": 4}))
+    engine.add_request("r", {"prompt_token_ids": prompt}, params)
+    got = drain(engine)
+    assert got["r"][0] == want and len(want) <= at + 1, (got, want)
+    assert engine.engine_stats.spec.num_accepted_tokens > 0
+
+
+def test_drafts_switch_off_for_a_large_batch_and_requests_that_need_plain_steps(seed, tok):
+    """disable_by_batch_size: no drafts while more sequences run; penalties and logprobs: never any
+    (their distribution depends on the tokens just accepted). The tokens stay those of plain decoding."""
+    rng = random.Random(seed)
+    model, config = random_model(rng)
+    prompts = [[rng.randrange(config.vocab_size) for _ in range(6)] for _ in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    want = [alone(model, tok, p, params)[0] for p in prompts]
+    engine = LLMEngine(model, tok, [], EngineConfig(num_gpu_blocks=64, speculative_config={
+        "model": model, "num_speculative_tokens": 3, "disable_by_batch_size": 2}))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    got = drain(engine)
+    assert [got[str(i)][0] for i in range(3)] == want
+    assert engine.engine_stats.spec.num_drafts == 0  # three running: more than 2
+    special = [SamplingParams(max_tokens=8, temperature=0, logprobs=2),
+               SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.3),
+               SamplingParams(max_tokens=8, temperature=0, min_tokens=8)]
+    for i, sp in enumerate(special):
+        engine.add_request(f"s{i}", {"prompt_token_ids": prompts[0]}, sp)
+    got = drain(engine)
+    assert [got[f"s{i}"][0] for i in range(3)] == [alone(model, tok, prompts[0], sp)[0] for sp in special]
+    assert engine.engine_stats.spec.num_drafts == 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "layer_skip", "draft"])
+def test_seeded_sampling_with_drafts_is_the_same_alone_and_batched(seed, tok, method):
+    rng = random.Random(seed + 3)
+    model, config = random_model(rng)
+    spec = spec_config(method, rng, model) | {"num_speculative_tokens": 3}
+    requests = [((p[-5:] or [1]) * 3, SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=rng.randrange(1000),
+                                                     n=rng.choice([1, 2])))
+                for p, _ in random_requests(rng, config.vocab_size, 5)]
+
+    def run(reqs):
+        engine = LLMEngine(model, tok, [], EngineConfig(block_size=4, num_gpu_blocks=128, speculative_config=spec))
+        for i, (p, sp) in reqs:
+            engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+        return drain(engine), engine.engine_stats.spec
+
+    batched, stats = run(list(enumerate(requests)))
+    for i, r in enumerate(requests):
+        assert run([(i, r)])[0][f"r{i}"] == batched[f"r{i}"]
+    assert stats.num_draft_tokens > 0 or method == "ngram"
+
+
+def test_request_outputs_and_stats_carry_the_acceptance(seed, tok):
+    rng = random.Random(seed)
+    model, _ = random_model(rng)
+    engine = LLMEngine(model, tok, [], EngineConfig(num_gpu_blocks=64, speculative_config={
+        "method": "layer_skip", "num_draft_layers": 1, "num_speculative_tokens": 2}))
+    engine.add_request("r", {"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=10, temperature=0))
+    last = None
+    while engine.has_unfinished_requests():
+        last = engine.step()[-1:] or last
+    spec = last[0].spec
+    stats = engine.stats
+    assert spec.num_draft_tokens == stats["spec_num_draft_tokens"] > 0
+    assert stats["spec_mean_acceptance_length"] == 1 + spec.num_accepted_tokens / spec.num_drafts
+    assert len(stats["spec_acceptance_per_position"]) == 2
+    assert spec.num_accepted_tokens + spec.num_drafts <= 10  # every verify emits accepted + 1 tokens
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive int"),
+    ({"method": "ngram", "num_speculative_tokens": 33}, "must be <= 32"),
+    ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+     "prompt_lookup_max"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "num_draft_layers": 1}, "belongs to method 'layer_skip'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown key"),
+    ({"method": "layer_skip", "num_speculative_tokens": 2}, "needs num_draft_layers"),
+    ("ngram", "must be a dict"),
+])
+def test_bad_speculative_configs_are_refused(spec, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        EngineConfig(speculative_config=spec)
+
+
+def test_bad_speculative_configs_for_the_model_are_refused(seed, tok):
+    rng = random.Random(seed)
+    model, config = random_model(rng)
+    other_vocab, _ = random_model(rng, vocab_size=config.vocab_size + 1)
+    cases = [({"method": "layer_skip", "num_draft_layers": 2, "num_speculative_tokens": 2}, "in \\[1, 1\\]"),
+             ({"model": other_vocab, "num_speculative_tokens": 2}, "vocabulary"),
+             ({"method": "ngram", "num_speculative_tokens": 20}, "max_model_len=16")]
+    for spec, match in cases:
+        with pytest.raises(ValueError, match=match):
+            LLMEngine(model, tok, [], EngineConfig(num_gpu_blocks=16, max_model_len=16, speculative_config=spec))
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(max_num_batched_tokens=4, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    assert SpeculativeConfig.from_dict({"model": model, "num_speculative_tokens": 1}).method == "draft_model"
