@@ -89,3 +89,26 @@ def test_fused_moe_bad_arguments_are_clear_errors():
         fused_experts(x, w13, w2, w, ids.float())
     with pytest.raises(ValueError, match="x must be 2-D"):
         fused_experts_ref(x[None], w13, w2, w, ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(seed):
+    """Captured once, replayed with other tokens routed elsewhere (also all to the same experts): the
+    expert counts never reach the host, so the graph's result follows the new routing."""
+    g = torch.Generator().manual_seed(seed)
+    M, E, top_k, H, I = 64, 64, 6, 2048, 1408
+    w13, w2 = experts(g, E, H, I, torch.bfloat16)
+    x = torch.randn(M, H, generator=g).to(DEVICE, torch.bfloat16)
+    weights, ids = routing(g, M, E, top_k)
+    fused_experts(x, w13, w2, weights, ids)  # compile and autotune outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts(x, w13, w2, weights, ids)
+    for skew in (False, True):
+        new_w, new_ids = routing(g, M, E, top_k, skew=skew)
+        weights.copy_(new_w)
+        ids.copy_(new_ids)
+        x.copy_(torch.randn(M, H, generator=g).to(DEVICE, torch.bfloat16))
+        graph.replay()
+        assert rel(out, fused_experts_ref(x, w13, w2, weights, ids)) < TOL[torch.bfloat16]

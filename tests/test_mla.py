@@ -222,3 +222,26 @@ def test_inconsistent_mla_dims_are_clear_errors():
     assert ModelConfig.from_hf(hf | {"qk_head_dim": 24}).mla.kv_lora_rank == 32
     with pytest.raises(ValueError, match="moe.scoring_func must be one of softmax, sigmoid"):
         MoEConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, scoring_func="relu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+def test_mla_kernel_replays_in_a_cuda_graph_with_new_lengths(seed):
+    """Captured once, replayed after the sequences grew and the queries changed: the key counts are
+    read on the device, so the graph's result follows them."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [4000, 4100, 5000, 4500]
+    cache, table = paged_latents(g, lens, 576, 16, torch.bfloat16)
+    q = torch.randn(4, 128, 576, generator=g).to(DEVICE, torch.bfloat16)
+    kv_lens = torch.tensor([n - 100 for n in lens], dtype=torch.int32, device=DEVICE)
+    seq_idx = torch.arange(4, dtype=torch.int32, device=DEVICE)
+    mla_decode(q, cache, kv_lens, seq_idx, table, 512, 0.05)  # compile and autotune outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mla_decode(q, cache, kv_lens, seq_idx, table, 512, 0.05)
+    for grow in (37, 100):
+        kv_lens.copy_(torch.tensor([n - 100 + grow for n in lens], dtype=torch.int32))
+        q.copy_(torch.randn(4, 128, 576, generator=g).to(DEVICE, torch.bfloat16))
+        graph.replay()
+        assert not out.isnan().any()
+        assert rel(out, mla_decode_ref(q, cache, kv_lens, seq_idx, table, 512, 0.05)) < TOL[torch.bfloat16]
