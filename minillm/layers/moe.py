@@ -25,8 +25,8 @@ from torch import nn
 
 from ..config import ModelConfig, MoEConfig
 from ..kernels import fused_moe as _kernel
-from ..layers.linear import ReplicatedLinear, copy_checked
 from .backend import use_triton
+from .linear import ReplicatedLinear, copy_checked
 
 
 def fused_topk(scores: torch.Tensor, top_k: int, renormalize: bool):
