@@ -80,11 +80,13 @@ def test_group_scaled_int8_kernel_matches_its_reference(M, g):
     N, K = 45, 96
     q, s = _grouped_int8(g, N, K)
     x = torch.randn(M, K, generator=g)
+    if torch.cuda.is_available():  # natively there; under the interpreter on a CPU
+        q, s, x = q.cuda(), s.cuda(), x.cuda()
     want = x.double() @ dequantize_int8(q, s, torch.float64).T
     for split_k in (None, 1, 3):
         got = w8a16_gemm(x, q, s, 32, split_k=split_k)
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(w8a16_gemm_ref(x, q, s, 32).double(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(w8a16_gemm_ref(x.cpu(), q.cpu(), s.cpu(), 32).double(), want.cpu(), rtol=1e-4, atol=1e-4)
 
 
 def test_group_scaled_int8_bad_input(g):
@@ -107,9 +109,10 @@ def both():
 
 
 def _logits(model, ids: list[int]) -> torch.Tensor:
-    meta = AttentionMetadata.from_seq_lens([len(ids)])
+    dev = model.lm_head.qweight.device if hasattr(model.lm_head, "qweight") else model.lm_head.weight.device
+    meta = AttentionMetadata.from_seq_lens([len(ids)], device=dev)
     with torch.inference_mode():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), meta))  # [T, vocab]
+        return model.compute_logits(model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), meta))
 
 
 def test_embedded_model_stays_packed_and_in_its_files_size(both):
@@ -158,8 +161,8 @@ def test_embedded_model_on_gpu_bf16_packed_vs_dequantized():
     """bf16 on the GPU, CUDA graphs on: the packed model's greedy tokens equal the dequantized model's
     for most of 32 steps on every prompt (bf16 rounding differs: the kernels round the weight tile
     to bf16 as the dequantized copy does, but sum in a different order), and its logits stay close."""
-    dense = LLM(device="cuda", dtype="bfloat16")
-    packed = LLM(device="cuda", dtype="bfloat16", quantization="gguf")
+    dense = LLM(device="cuda", dtype="bfloat16", num_gpu_blocks=256)
+    packed = LLM(device="cuda", dtype="bfloat16", quantization="gguf", num_gpu_blocks=256)
     ids = [dense.tokenizer.encode(p) for p in PROMPTS]
     for p in ids:
         a, b = _logits(dense.model, p), _logits(packed.model, p)
@@ -172,16 +175,22 @@ def test_embedded_model_on_gpu_bf16_packed_vs_dequantized():
     assert same >= 0.75 * 32 * len(PROMPTS), (got, want)
 
 
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the native kernels)")
 @pytest.mark.parametrize("M", [1, 16, 128])
 def test_packed_kernels_natively_on_real_shapes(M, g):
+    """bf16 outputs of ~30 round in steps of 0.125-0.25: compare by the error's norm (an fp32-accumulated
+    product rounded once to bf16 is within ~0.3 %; a wrong group scale or nibble is tens of %)."""
     N, K = 1536, 576  # SmolLM2's gate_up and hidden sizes
     x = torch.randn(M, K, generator=g).cuda().bfloat16()
     q, s = (t.cuda() for t in _grouped_int8(g, N, K))
     want = x.float() @ dequantize_int8(q, s, torch.bfloat16).float().T
-    torch.testing.assert_close(w8a16_gemm(x, q, s, 32).float(), want, rtol=2e-2, atol=2e-2)
+    assert _rel_err(w8a16_gemm(x, q, s, 32), want) < 5e-3
     q4 = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8).cuda()
     s4 = (torch.rand(N, K // 32, generator=g) * 0.01).half().cuda()
     m4 = (-torch.rand(N, K // 32, generator=g) * 0.08).half().cuda()
     want = x.float() @ dequantize_int4(q4, s4, m4, 32, torch.bfloat16).float().T
-    torch.testing.assert_close(w4a16_gemm(x, q4, s4, m4, 32).float(), want, rtol=2e-2, atol=2e-2)
+    assert _rel_err(w4a16_gemm(x, q4, s4, m4, 32), want) < 5e-3
