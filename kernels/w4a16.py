@@ -26,8 +26,9 @@ The tile loop is an ordinary tiled GEMM (fp32 accumulator, tl.dot) whose B tile 
 Decode has M <= 16 rows: one row of tiles across N is too few programs to keep the GPU's loads in
 flight (4096 columns / 64 = 64 programs for 132 SMs). Split-K cuts K into slices, each program sums
 one slice into an fp32 partial, and a sum over the slices finishes: enough programs for about two
-waves over the SMs (the same rule as FlashDecoding's split-KV, flash_decode.py). Prefill (M > 16) has
-plenty of programs and runs one slice. The tiles depend on M only through that one switch, so every
+waves over the SMs (the same rule as FlashDecoding's split-KV, flash_decode.py). Prefill (M > 16) is
+compute-bound: there the weight is dequantized once and cuBLAS multiplies (wna16_dequant.py), since
+these tiles measured 0.04-0.12x cuBLAS there; the tiles still run any M when split_k is given. The tiles depend on M only through that one switch, so every
 M <= 16 gets the same summation order: a row's result does not depend on the batch it runs in.
 
 The references beside the kernel dequantize the whole weight and multiply (the oracle of the tests,
@@ -55,6 +56,7 @@ from ..checks import check_int
 from .checks import FLOAT_DTYPES, INTERPRET, check_device, check_float_tensor, check_tensor
 from .flash_attn import dot
 from .flash_decode import sm_count
+from .wna16_dequant import dequant_matmul
 
 DECODE_M = 16  # up to this many rows: the decode tiles (one row of M, split-K)
 MAX_SPLIT_K = 16
@@ -227,8 +229,12 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
                group_size: int, *, split_k: int | None = None) -> torch.Tensor:
     """x [M, K] @ dequant(qweight)^T -> [M, N] in x's dtype, the int4 weight never dequantized in memory.
 
-    qweight uint8 [N, K/2] (pack_int4), scales and mins [N, K/group_size]; split_k None chooses."""
+    qweight uint8 [N, K/2] (pack_int4), scales and mins [N, K/group_size]; split_k None chooses: above
+    DECODE_M rows that is the prefill path (wna16_dequant.py: the weight dequantized once, then cuBLAS);
+    a given split_k always runs this kernel."""
     _check(x, qweight, scales, mins, group_size, 4, strict=True, split_k=split_k)
+    if split_k is None and x.shape[0] > DECODE_M:
+        return dequant_matmul(x, qweight, scales, mins, group_size, 4)
     return _launch(x, qweight, scales, mins, group_size, 4, split_k)
 
 
@@ -238,6 +244,8 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, gro
     channel, group_size None) or [N, K / group_size] (GGUF's Q8_0: group_size 32)."""
     _check(x, qweight, scales, None, group_size, 8, strict=True, split_k=split_k)
     # Per channel, one group spans the whole row: any tile size divides it (128: the preferred K tile).
+    if split_k is None and x.shape[0] > DECODE_M:  # prefill: as w4a16_gemm
+        return dequant_matmul(x, qweight, scales, None, group_size or 128, 8)
     return _launch(x, qweight, scales, None, group_size or 128, 8, split_k)
 
 

@@ -194,3 +194,30 @@ def test_packed_kernels_natively_on_real_shapes(M, g):
     m4 = (-torch.rand(N, K // 32, generator=g) * 0.08).half().cuda()
     want = x.float() @ dequantize_int4(q4, s4, m4, 32, torch.bfloat16).float().T
     assert _rel_err(w4a16_gemm(x, q4, s4, m4, 32), want) < 5e-3
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, 32), (8, None)])
+def test_prefill_path_dequantizes_exactly_then_multiplies(bits, group, g):
+    """M > 16 without split_k: the weight is dequantized by one kernel (bit for bit the reference's
+    weight) and multiplied by torch; odd N and a short last K tile included."""
+    from minillm.kernels.wna16_dequant import dequantize_weight
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    N, K, M = 37, 160 if group != 128 else 256, 40
+    if bits == 4:
+        q = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+        s = torch.rand(N, K // group, generator=g) * 0.1
+        m = -torch.rand(N, K // group, generator=g)
+        want_w = dequantize_int4(q, s, m, group, torch.float32)
+    else:
+        q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+        s = torch.rand(N, generator=g) * 0.1 if group is None else torch.rand(N, K // group, generator=g) * 0.1
+        m = None
+        want_w = dequantize_int8(q, s, torch.float32)
+    q, s = q.to(dev), s.to(dev)
+    m = m.to(dev) if m is not None else None
+    w = dequantize_weight(q, s, m, group or 128, bits, torch.float32)
+    assert torch.equal(w.cpu(), want_w)
+    x = torch.randn(M, K, generator=g).to(dev)
+    y = w4a16_gemm(x, q, s, m, group) if bits == 4 else w8a16_gemm(x, q, s, group)
+    torch.testing.assert_close(y.cpu(), x.cpu() @ want_w.T, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,75 @@
+"""Prefill with quantized weights: dequantize the weight once per step, then let cuBLAS multiply.
+
+A decode step (M <= 16 rows) reads each weight once and does 2 M FLOPs with it: memory-bound, so
+w4a16.py's kernel dequantizes tiles in registers and wins by moving fewer bytes. A prefill step with
+M in the hundreds or thousands does 2 M FLOPs per weight: compute-bound, where what counts is a
+well-tuned tensor-core GEMM, and the weight's bytes are a small part of the time. So for M > 16 the
+weight is written out once in the activations' dtype (one kernel: read N K / 2 bytes of int4 or N K
+of int8, write 2 N K) and multiplied by cuBLAS. Its cost is a copy of the weight, fixed per step,
+which a long prompt amortizes; AutoAWQ and vLLM's AWQ path make the same switch for large batches.
+
+    int4:  W[n, k] = q * scales[n, k // G] + mins[n, k // G]   (the layout of w4a16.py)
+    int8:  W[n, k] = q * scales[n]  or  q * scales[n, k // G]
+
+The dequantized values are computed exactly as the references compute them (fp32 multiply-add,
+rounded once to the output dtype), so the weight cuBLAS sees is the weight the reference sees.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dequant_kernel(
+    QW, S, Mins, W,  # qweight [N, K/2] u8 or [N, K] i8; scales/mins [N, K/G] or [N]; W out [N, K]
+    N, K, group_size, stride_qn, stride_sn,
+    WEIGHT_BITS: tl.constexpr, PER_CHANNEL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows
+    n_ok = offs_n < N
+    rows = offs_n.to(tl.int64)[:, None]
+    if WEIGHT_BITS == 4:
+        offs_j = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # [BLOCK_K / 2] bytes
+        ok = n_ok[:, None] & (offs_j < K // 2)[None, :]
+        packed = tl.load(QW + rows * stride_qn + offs_j[None, :], mask=ok, other=0)  # [BLOCK_N, BLOCK_K / 2]
+        g = (2 * offs_j) // group_size  # both nibbles of a byte are in one group (G is even)
+        s = tl.load(S + rows * stride_sn + g[None, :], mask=ok, other=0.0).to(tl.float32)
+        m = tl.load(Mins + rows * stride_sn + g[None, :], mask=ok, other=0.0).to(tl.float32)
+        out = W + rows * K + 2 * offs_j[None, :]
+        tl.store(out, ((packed & 0xF).to(tl.float32) * s + m).to(W.dtype.element_ty), mask=ok)  # even k
+        tl.store(out + 1, ((packed >> 4).to(tl.float32) * s + m).to(W.dtype.element_ty), mask=ok)  # odd k
+    else:
+        offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        ok = n_ok[:, None] & (offs_k < K)[None, :]
+        q = tl.load(QW + rows * stride_qn + offs_k[None, :], mask=ok, other=0).to(tl.float32)
+        if PER_CHANNEL:
+            s = tl.load(S + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]  # [BLOCK_N, 1]
+        else:
+            s = tl.load(S + rows * stride_sn + (offs_k // group_size)[None, :], mask=ok, other=0.0).to(tl.float32)
+        tl.store(W + rows * K + offs_k[None, :], (q * s).to(W.dtype.element_ty), mask=ok)
+
+
+def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
+                      bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """The [N, K] weight in `dtype`, written by one kernel (arguments checked by the caller, w4a16.py)."""
+    N = qweight.shape[0]
+    K = qweight.shape[1] * (2 if bits == 4 else 1)
+    w = torch.empty((N, K), dtype=dtype, device=qweight.device)
+    if N == 0 or K == 0:
+        return w
+    bn, bk = 32, 128
+    grid = (triton.cdiv(N, bn), triton.cdiv(K, bk))
+    _dequant_kernel[grid](qweight, scales, mins if mins is not None else scales, w, N, K, group_size,
+                          qweight.stride(0), scales.stride(0),
+                          WEIGHT_BITS=bits, PER_CHANNEL=scales.dim() == 1, BLOCK_N=bn, BLOCK_K=bk)
+    return w
+
+
+def dequant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                   group_size: int, bits: int) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] with W dequantized to x's dtype first (the prefill path)."""
+    return F.linear(x, dequantize_weight(qweight, scales, mins, group_size, bits, x.dtype))
