@@ -193,3 +193,28 @@ def test_an_fp8_model_tracks_the_full_precision_model(seed):
         got = q_model.compute_logits(q_model(ids, torch.arange(24, device=DEVICE), meta))
         want = full.compute_logits(full(ids, torch.arange(24, device=DEVICE), meta))
     assert sqnr(want.float(), got.float()) >= 20
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="needs a GPU with FP8 matrix units (compute capability >= 8.9)")
+@pytest.mark.parametrize("activation_scale", ["per_token", "per_tensor"])
+def test_an_fp8_engine_captures_cuda_graphs(seed, activation_scale):
+    """The activation quantization and _scaled_mm inside CUDA graphs: graph replay = eager, token for token."""
+    from minillm.bench.serving_setup import NoTextTokenizer
+    from minillm.engine import EngineConfig, LLMEngine
+    from minillm.sampling import SamplingParams
+
+    model, _, _ = load_model(TINY, load_format="dummy", device="cuda", dtype=torch.bfloat16,
+                             quantization={"method": "fp8", "activation_scale": activation_scale})
+    rng = torch.Generator().manual_seed(seed)
+    requests = [(torch.randint(0, TINY.vocab_size, (int(n),), generator=rng).tolist(), SamplingParams(max_tokens=10, temperature=0.0))
+                for n in torch.randint(3, 40, (5,), generator=rng)]
+    runs = []
+    for eager in (True, False):
+        engine = LLMEngine(model, NoTextTokenizer(), [], EngineConfig(num_gpu_blocks=64, enforce_eager=eager))
+        for i, (p, sp) in enumerate(requests):
+            engine.add_request(str(i), {"prompt_token_ids": p}, sp)
+        got = {}
+        while engine.has_unfinished_requests():
+            got |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+        runs.append([got[str(i)] for i in range(len(requests))])
+    assert runs[0] == runs[1]
