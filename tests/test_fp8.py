@@ -180,6 +180,15 @@ def test_fp8_needs_fp8_hardware_or_an_explicit_reference():
         get_quantization_config({"method": "fp8", "block_size": 128})
 
 
+def test_fp8_on_a_gpu_without_fp8_units_is_refused(monkeypatch):
+    from minillm.layers.quantization.fp8 import check_fp8_gemm_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=r"FP8 matrix units .*A100-SXM4-80GB has 8.0 .*emulate"):
+        check_fp8_gemm_device(torch.device("cuda"))
+
+
 def test_an_fp8_model_tracks_the_full_precision_model(seed):
     spec = "fp8" if FP8_GPU else {"method": "fp8", "emulate": True}
     dtype = torch.bfloat16 if FP8_GPU else torch.float32

@@ -210,6 +210,18 @@ def test_unknown_kv_cache_dtype_is_refused():
         EngineConfig(kv_cache_dtype="FP8")
 
 
+def test_fp8_kv_on_a_gpu_without_fp8_is_refused(monkeypatch):
+    """An A100 (compute capability 8.0) has no fp8 conversions: a clear error naming the GPU and int8."""
+    from minillm.layers.quantization.kv_cache import check_kv_cache_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' needs .*>= 8.9.*A100.* has 8.0: use 'int8'"):
+        check_kv_cache_device(FP8, torch.device("cuda"))
+    check_kv_cache_device(INT8, torch.device("cuda"))  # int8 runs anywhere
+    check_kv_cache_device(FP8, torch.device("cpu"))  # the references convert fp8 in software
+
+
 def test_calibration_sets_per_head_scales(seed):
     model, config = tiny(seed, num_heads=4, num_kv_heads=2, architecture="llama")
     layers = [m for m in model.modules() if hasattr(m, "kv_cache")]
