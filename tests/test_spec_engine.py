@@ -14,7 +14,8 @@ import dataclasses
 import random
 
 import pytest
-from test_engine import alone, blocks_for, random_requests
+import torch
+from test_engine import alone, blocks_for, pad_steps_eagerly, random_requests
 from tiny_models import random_model
 
 from minillm import SamplingParams
@@ -141,9 +142,10 @@ def test_a_stop_inside_an_accepted_run(seed, tok, stop):
         eos = [plain.output_ids[at]]
     elif stop == "stop_token":
         params.stop_token_ids = [plain.output_ids[at]]
-    elif stop == "stop_string":
-        text = tok.decode(plain.output_ids[: at + 1])
-        params.stop = [text[-3:]] if len(text) >= 3 else [text]
+    elif stop == "stop_string":  # three characters of the plain text: the output ends before their first match
+        if len(plain.text) < 12:
+            pytest.skip(f"the plain output decodes to only {len(plain.text)} characters")
+        params.stop = [plain.text[8:11]]
     else:
         params.max_tokens = at + 1
     want = alone(model, tok, prompt, params, eos)[0]
@@ -151,7 +153,7 @@ def test_a_stop_inside_an_accepted_run(seed, tok, stop):
                                                      speculative_config={"model": model, "num_speculative_tokens": 4}))
     engine.add_request("r", {"prompt_token_ids": prompt}, params)
     got = drain(engine)
-    assert got["r"][0] == want and len(want) <= at + 1, (got, want)
+    assert got["r"][0] == want and len(want) <= (at + 1 if stop != "stop_string" else 23), (got, want)
     assert engine.engine_stats.spec.num_accepted_tokens > 0
 
 
@@ -248,3 +250,47 @@ def test_bad_speculative_configs_for_the_model_are_refused(seed, tok):
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(max_num_batched_tokens=4, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     assert SpeculativeConfig.from_dict({"model": model, "num_speculative_tokens": 1}).method == "draft_model"
+
+
+def test_verify_steps_replay_the_padded_graph_steps(seed, tok):
+    """A step with drafts fits a token bucket's graph (1 + k logits rows a sequence): on a CPU the padded
+    static buffers run eagerly, held to the same oracle."""
+    rng = random.Random(seed)
+    model, config = random_model(rng)
+    prompts = [[rng.randrange(config.vocab_size) for _ in range(rng.randrange(3, 12))] for _ in range(3)]
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    engine = LLMEngine(model, tok, [], EngineConfig(block_size=4, num_gpu_blocks=64, max_num_seqs=4,
+                                                    speculative_config={"model": model, "num_speculative_tokens": 3}))
+    pad_steps_eagerly(engine)
+    graphs, verified = engine.runner.graphs, []
+    run = graphs.run
+
+    def spy(shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices):
+        verified.append(len(logits_indices) > len(seq_lens))
+        return run(shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices)
+
+    graphs.run = spy
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, greedy)
+    got = drain(engine)
+    assert [got[str(i)] for i in range(3)] == [alone(model, tok, p, greedy) for p in prompts]
+    assert any(verified) and engine.engine_stats.spec.num_accepted_tokens > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the embedded model, CUDA graphs)")
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 4},
+                                  {"method": "layer_skip", "num_draft_layers": 8, "num_speculative_tokens": 3}])
+def test_embedded_model_on_gpu_speculates_to_the_plain_tokens(spec):
+    """fp32 on the GPU with CUDA graphs: input-grounded prompts give the same tokens with and without drafts."""
+    from minillm import LLM
+
+    llm = LLM(dtype="float32", device="cuda", max_num_seqs=8)
+    text = "The lighthouse was first lit in 1791. Its keeper climbed one hundred and twelve steps every evening."
+    prompts = [f"Repeat this sentence twice: {text}", f"Summarize: {text}", "Count from one to twenty in words."]
+    greedy = SamplingParams(max_tokens=48, temperature=0)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    llm.engine.shutdown()
+    spec_llm = LLM(dtype="float32", device="cuda", max_num_seqs=8, speculative_config=spec)
+    outs = spec_llm.generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert spec_llm.engine.engine_stats.spec.num_draft_tokens > 0

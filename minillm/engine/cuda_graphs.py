@@ -20,9 +20,10 @@ static buffers sized for the largest shape, and a smaller step is padded to its 
 * the attention kernel of a mixed graph is launched as if a sequence could hold all T_pad tokens
   (max_seqlen = T_pad): its programs for tiles past a sequence's end return at once.
 
-The step's logits, at the rows its `logits_indices` name (at most one per sequence of the shape;
-a step that wants more runs eagerly), are copied into one static [max sequences, vocab] buffer
-inside every graph, so the graphs' intermediate tensors can all share one memory pool. Padding rows hold garbage (attention
+The step's logits, at the rows its `logits_indices` name (at most one per sequence of a decode
+shape; up to logits_per_seq per sequence of a mixed one: chapter 09's verify wants the last token's
+and one per draft token, so a step with drafts replays a token bucket's graph; more runs eagerly),
+are copied into one static [max logits rows, vocab] buffer inside every graph, so the graphs' intermediate tensors can all share one memory pool. Padding rows hold garbage (attention
 never writes them), which is harmless only because every other layer treats token rows
 independently; a layer that mixes tokens (a capacity-limited MoE router, say) would have to mask them.
 """
@@ -70,15 +71,18 @@ class StepGraphs:
     buffers, run eagerly: the padding is then checked on any device against the unpadded path."""
 
     def __init__(self, model, device: torch.device, decode_sizes: list[int], buckets: list[int],
-                 max_num_seqs: int, max_blocks_per_seq: int, capture: bool = True):
+                 max_num_seqs: int, max_blocks_per_seq: int, capture: bool = True, logits_per_seq: int = 1):
         self.model, self.device, self.capture = model, device, capture
+        self.logits_per_seq = logits_per_seq  # 1 + k with speculative decoding (k draft tokens a sequence)
         self.decode_sizes, self.buckets, self.max_num_seqs = decode_sizes, buckets, max_num_seqs
         T = max([*decode_sizes, *buckets])
         S = max([*decode_sizes, *(min(max_num_seqs, t) for t in buckets)])
         self.tokens = torch.zeros(4, T, dtype=torch.int64, device=device)  # ids, positions, slots, logits rows
         self.seqs = torch.ones(2, S + 1, dtype=torch.int32, device=device)  # rows: seq_lens, cu_seqlens
         self.table = torch.zeros(S, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.logits: torch.Tensor | None = None  # [S, vocab] fp32, made by the first capture
+        self.logits: torch.Tensor | None = None  # [max logits rows, vocab] fp32, made by the first capture
+        shapes = [Shape(b, b, 1) for b in decode_sizes] + [Shape(t, min(max_num_seqs, t), t) for t in buckets]
+        self.max_logits = max(self.logits_rows(s) for s in shapes)
         self.steps: dict[Shape, Callable[[], None]] = {}
         self.replays: Counter[Shape] = Counter()  # steps served per shape (captures not counted)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -93,9 +97,14 @@ class StepGraphs:
             i = bisect.bisect_left(self.buckets, num_tokens)
             t = self.buckets[i] if i < len(self.buckets) else None
             shape = Shape(t, min(self.max_num_seqs, t), t) if t else None  # num_seqs <= max_num_seqs, <= T <= t
-        if shape is None or (num_logits or 0) > shape.seqs:
+        if shape is None or (num_logits or 0) > self.logits_rows(shape):
             return None
         return shape
+
+    def logits_rows(self, shape: Shape) -> int:
+        """Logits rows a shape's graph computes: one per sequence of a decode shape; for a mixed shape
+        logits_per_seq per sequence, at most one per token (1 + k each: the verify of k drafts)."""
+        return shape.seqs if shape.max_seqlen == 1 else min(shape.tokens, shape.seqs * self.logits_per_seq)
 
     def run(self, shape: Shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices) -> torch.Tensor:
         """Copy one step's inputs (ModelRunner.prepare's lists; query_lens: new tokens per sequence;
@@ -127,22 +136,22 @@ class StepGraphs:
         self.table[:sp, :width].copy_(host_table, non_blocking=True)
 
     def _capture(self, shape: Shape) -> Callable[[], None]:
-        T, S = shape.tokens, shape.seqs
-        ids, pos, slots, rows = self.tokens[0, :T], self.tokens[1, :T], self.tokens[2, :T], self.tokens[3, :S]
+        T, S, R = shape.tokens, shape.seqs, self.logits_rows(shape)
+        ids, pos, slots, rows = self.tokens[0, :T], self.tokens[1, :T], self.tokens[2, :T], self.tokens[3, :R]
         seq_lens, cu = self.seqs[0, :S], self.seqs[1, : S + 1]
         meta = AttentionMetadata(cu_seqlens=cu, max_seqlen=shape.max_seqlen, seq_lens=seq_lens,
                                  block_table=self.table[:S], slot_mapping=slots)
 
         def forward() -> torch.Tensor:
             hidden = self.model(ids, pos, meta)  # [T, hidden]
-            return self.model.compute_logits(hidden[rows])  # [S, vocab] at the step's logits_indices
+            return self.model.compute_logits(hidden[rows])  # [R, vocab] at the step's logits_indices
 
         # Warm-up, outside the capture: Triton compiles and autotunes here. It runs on the inputs in the
         # buffers: dummies at start-up, or the step being served (writing its K/V twice is harmless).
         logits = forward()
         if self.logits is None:
-            self.logits = torch.empty(self.seqs.shape[1] - 1, logits.shape[-1], dtype=logits.dtype, device=self.device)
-        out = self.logits[:S]
+            self.logits = torch.empty(self.max_logits, logits.shape[-1], dtype=logits.dtype, device=self.device)
+        out = self.logits[:R]
         if not self.capture:
             self.steps[shape] = lambda: out.copy_(forward())
             return self.steps[shape]

@@ -80,6 +80,8 @@ class ModelRunner:
         max_tokens = config.cuda_graph_max_tokens
         self.token_buckets = token_buckets(config.max_num_batched_tokens if max_tokens is None else max_tokens)
         self.max_num_seqs = config.max_num_seqs
+        spec = config.speculative_config  # chapter 09: a verify wants logits at 1 + k rows per sequence
+        self.logits_per_seq = 1 + spec.num_speculative_tokens if spec is not None else 1
         self._first_layer = cache_layers(model)[0]
         ensure_kv_scales(model, cache.specs[0].dtype)  # a quantized cache: scales calibrated before any graph
         cache.bind(model)
@@ -88,7 +90,7 @@ class ModelRunner:
     def make_graphs(self, capture: bool = True) -> StepGraphs:
         """The static buffers and graphs; capture=False runs the same padded steps eagerly (tests)."""
         return StepGraphs(self.model, self.device, self.graph_sizes, self.token_buckets, self.max_num_seqs,
-                          self.max_blocks_per_seq, capture)
+                          self.max_blocks_per_seq, capture, self.logits_per_seq)
 
     # ---- inputs ----------------------------------------------------------------------------------
 

@@ -33,13 +33,21 @@ class SpecDecodeMetrics:
             for j in range(upto):
                 counts[j] += 1
 
-    def merge(self, other: SpecDecodeMetrics) -> SpecDecodeMetrics:
-        out = SpecDecodeMetrics(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
-                                self.num_accepted_tokens + other.num_accepted_tokens)
+    def merge(self, other: SpecDecodeMetrics, sign: int = 1) -> SpecDecodeMetrics:
+        """self + other (sign=-1: self - other, the counts since a snapshot)."""
+        out = SpecDecodeMetrics(*(getattr(self, n) + sign * getattr(other, n)
+                                  for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")))
         for name in ("drafted_per_position", "accepted_per_position"):
             a, b = getattr(self, name), getattr(other, name)
-            setattr(out, name, [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)))])
+            width = max(len(a), len(b))
+            setattr(out, name, [x + sign * y for x, y in zip(a + [0] * (width - len(a)), b + [0] * (width - len(b)))])
         return out
+
+    def snapshot(self) -> SpecDecodeMetrics:
+        return self.merge(SpecDecodeMetrics())
+
+    def minus(self, before: SpecDecodeMetrics) -> SpecDecodeMetrics:
+        return self.merge(before, -1)
 
     @property
     def acceptance_rate(self) -> float:
