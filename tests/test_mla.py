@@ -134,12 +134,12 @@ def run_cached(layer, rope, x, chunks: list[int], block_size: int, g) -> torch.T
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("q_lora_rank,yarn,interleave", [(None, False, True), (12, True, True), (12, False, False)])
-@torch.inference_mode()
-def test_absorbed_equals_naive(seed, q_lora_rank, yarn, interleave):
+def check_absorbed_equals_naive(seed: int, config: ModelConfig, block_sizes: list[int], kernels: bool) -> None:
+    """The naive path (no cache: up-projected K/V, PyTorch's SDPA) on both kernel modes, and the
+    absorbed one (chunks through a paged latent cache) through the references, then (kernels=True)
+    through the Triton kernels: all equal on random weights, in fp32."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    config = mla_config(q_lora_rank, yarn, rope_interleave=interleave)
     layer = MultiHeadLatentAttention(config)
     for name, p in layer.named_parameters():
         p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name else torch.randn(p.shape, generator=g)
@@ -151,13 +151,36 @@ def test_absorbed_equals_naive(seed, q_lora_rank, yarn, interleave):
     n = rng.randint(20, 40)
     x = torch.randn(n, config.hidden_size, generator=g).to(DEVICE)
     pos = torch.arange(n, device=DEVICE)
-    with kernel_mode("torch"):  # the naive path (no cache) and the absorbed one through the references
+    first = rng.randint(1, n - 6)
+    chunks = [first, n - first - 4, 1, 1, 1, 1]  # prefill, a second chunk over cached keys, four decodes
+    with kernel_mode("torch"):  # the naive path and the absorbed one through the references
         naive = layer(pos, x, AttentionMetadata.from_seq_lens([n], DEVICE), rope.cos_sin(pos, x.dtype))
-        first = rng.randint(1, n - 6)
-        chunks = [first, n - first - 4, 1, 1, 1, 1]  # prefill, a second chunk over cached keys, four decodes
-        assert rel(run_cached(layer, rope, x, chunks, rng.choice([1, 4, 16]), g), naive) < 1e-5
-    with kernel_mode("triton"):  # the same through the Triton kernels (the interpreter on a CPU)
-        assert rel(run_cached(layer, rope, x, chunks, 4, g), naive) < 1e-5
+        assert rel(run_cached(layer, rope, x, chunks, rng.choice(block_sizes), g), naive) < 1e-5
+    with kernel_mode("triton"):  # the Triton kernels (the interpreter on a CPU)
+        # the naive path's heads are P + R wide (DeepSeek's 192: no power of two, which chapter 04's
+        # attention kernels need): it stays on SDPA with the kernels on, around Triton's RMSNorm/RoPE
+        again = layer(pos, x, AttentionMetadata.from_seq_lens([n], DEVICE), rope.cos_sin(pos, x.dtype))
+        assert rel(again, naive) < 1e-5
+        if kernels:
+            assert rel(run_cached(layer, rope, x, chunks, rng.choice(block_sizes), g), naive) < 1e-5
+
+
+@pytest.mark.parametrize("q_lora_rank,yarn,interleave", [(None, False, True), (12, True, True), (12, False, False)])
+@torch.inference_mode()
+def test_absorbed_equals_naive(seed, q_lora_rank, yarn, interleave):
+    # qk heads 16 + 8 = 24 wide: not a power of two, as DeepSeek's 128 + 64 are not
+    check_absorbed_equals_naive(seed, mla_config(q_lora_rank, yarn, rope_interleave=interleave), [1, 4, 16], True)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 64])
+@torch.inference_mode()
+def test_absorbed_equals_naive_at_deepseek_head_dims(seed, q_lora_rank):
+    """DeepSeek-V2/V3's head dims (latent 512, qk 128 + 64 = 192, v 128), few heads, a small hidden
+    size, YaRN: both paths on their kernels where a GPU runs them (the interpreter would take minutes
+    over 576-wide latents: on a CPU the paged kernel is the other test's, at small dims)."""
+    config = mla_config(q_lora_rank, yarn=True, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128).with_(head_dim=64, num_heads=4, num_kv_heads=4)
+    check_absorbed_equals_naive(seed, config, [16, 64], kernels=not INTERPRETED)
 
 
 def test_yarn_matches_transformers():

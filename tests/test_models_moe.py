@@ -55,7 +55,10 @@ def test_tiny_greedy_matches_hf_through_the_engine(tiny, seed):
 def test_tiny_greedy_on_cuda_matches_hf(tiny, seed):
     """The Triton kernels (fused MoE, paged MLA, fp32 IEEE dots) inside CUDA graphs give HF's tokens."""
     family, folder, hf = tiny
-    llm = LLM(folder, dtype="float32", device="cuda", block_size=16)
+    # a pool sized to the request, not to gpu_memory_utilization: the four families run in one worker
+    # process, and a pool sized from memory would keep the first one's share from the next
+    llm = LLM(folder, dtype="float32", device="cuda", block_size=16,
+              num_gpu_blocks=-(-(40 + GREEDY_STEPS) // 16) + 2)
     assert llm.engine.runner.graphs is not None
     prompt = [random.Random(seed).randrange(VOCAB) for _ in range(40)]
     ours = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids

@@ -27,7 +27,9 @@ _MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope
             moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1)
 MOE_FAMILIES = {
     "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48)),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=24, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+    # head_dim 32, not hidden / heads = 16 (Qwen3's explicit head_dim), and a power of two: chapter 04's
+    # Triton attention kernels, which the GPU test runs, hold a whole head in one tile (Qwen3-MoE's: 128)
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
                                          norm_topk_prob=True, mlp_only_layers=[1])),
     # V2: softmax routing inside the 2 best of 4 groups, no q LoRA, YaRN RoPE with mscale
     "deepseek_v2": ("DeepseekV2Config", _MLA | dict(
