@@ -294,3 +294,24 @@ def test_embedded_model_on_gpu_speculates_to_the_plain_tokens(spec):
     outs = spec_llm.generate(prompts, greedy)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert spec_llm.engine.engine_stats.spec.num_draft_tokens > 0
+
+
+def test_a_failing_proposer_ends_only_the_requests_it_drafted_for(seed, tok, monkeypatch):
+    rng = random.Random(seed)
+    model, _ = random_model(rng)
+    engine = LLMEngine(model, tok, [], EngineConfig(num_gpu_blocks=64, max_num_batched_tokens=16, speculative_config={
+        "method": "layer_skip", "num_draft_layers": 1, "num_speculative_tokens": 2}))
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, greedy)
+    engine.step()  # a's prompt: it decodes from now on
+    engine.add_request("b", {"prompt_token_ids": list(range(5, 25))}, greedy)  # prefilling beside a's drafts
+
+    def broken(*args):
+        raise RuntimeError("draft kernel exploded")
+
+    monkeypatch.setattr(engine.proposer, "propose", broken)
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["a"].outputs[0].finish_reason == "error" and "exploded" in outs["a"].error
+    monkeypatch.undo()
+    got = drain(engine)
+    assert got["b"] == alone(model, tok, list(range(5, 25)), greedy)
