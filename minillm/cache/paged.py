@@ -21,6 +21,8 @@ Block 0 is never handed out: padded rows of a CUDA-graph batch point their block
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from ..checks import check_float, check_int
@@ -60,6 +62,9 @@ class PagedKVCache(CacheSizes):
         check_float("gpu_memory_utilization", gpu_memory_utilization, 0, 1, low_open=True)
         if device.type != "cuda":
             raise ValueError("sizing the KV cache from free memory needs a GPU; pass num_gpu_blocks on a CPU")
+        # An engine dropped earlier in this process may still hold its pool: its CUDA-graph steps are
+        # closures over the runner that owns them (a reference cycle), freed only by the collector
+        gc.collect()
         torch.cuda.empty_cache()  # blocks cached by the allocator but unused are free for the pool
         free, total = torch.cuda.mem_get_info(device)
         # this process: weights and whatever else it holds. Activations and CUDA graphs come later, out
