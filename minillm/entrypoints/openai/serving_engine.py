@@ -138,8 +138,9 @@ class OpenAIServing:
         return deltas
 
     def stream(self, requests):
-        """The requests' deltas as they come (use under contextlib.aclosing: closing it aborts the rest)."""
-        return self.engine.stream(requests)
+        """The requests' deltas as they come, in lists (AsyncLLMEngine.stream_batches; use under
+        contextlib.aclosing: closing it aborts the rest)."""
+        return self.engine.stream_batches(requests)
 
     async def sse_stream(self, requests, chunk: Callable[[int, CompletionOutput], str],
                          last: Callable[[int], str | None], first: Iterable[str] = (),
@@ -148,25 +149,36 @@ class OpenAIServing:
         output with something to show, then last(tokens generated) (the usage chunk, or None), then
         [DONE]. If the engine fails a request, an error event and [DONE] end the stream (the 200 is sent
         already), and the other prompts are aborted as the stream closes. timing: (response id, the
-        handler's marks), recorded once [DONE] is sent."""
+        handler's marks), recorded once [DONE] is sent.
+
+        Each string yielded is one write to the socket: the events of every delta that has arrived
+        (one step's when the loop keeps up, several when it fell behind). A write costs the loop far
+        more than an event (ASGI middlewares, HTTP framing, the transport), so under load fewer
+        writes is what keeps the loop from holding the GIL the engine thread needs."""
         where = {rid: i for i, (rid, _, _) in enumerate(requests)}
         generated, final = 0, None
-        for payload in first:
-            yield sse(payload)
+        if opening := "".join(sse(payload) for payload in first):
+            yield opening
+        events = []
         try:
-            async with aclosing(self.stream(requests)) as deltas:
-                async for delta in deltas:
-                    if (error := failed(delta)) is not None:
-                        raise error
-                    if delta.finished and where[delta.request_id] == 0:
-                        final = delta
-                    for out in delta.outputs:
-                        generated += len(out.token_ids)
-                        # nothing to show yet: a stop string may be forming, or half a character
-                        if out.text or out.finish_reason is not None or out.logprobs:
-                            yield sse(chunk(where[delta.request_id], out))
+            async with aclosing(self.stream(requests)) as batches:
+                async for batch in batches:
+                    for delta in batch:
+                        if (error := failed(delta)) is not None:
+                            raise error
+                        if delta.finished and where[delta.request_id] == 0:
+                            final = delta
+                        for out in delta.outputs:
+                            generated += len(out.token_ids)
+                            # nothing to show yet: a stop string may be forming, or half a character
+                            if out.text or out.finish_reason is not None or out.logprobs:
+                                events.append(sse(chunk(where[delta.request_id], out)))
+                    if events:
+                        yield "".join(events)
+                        events = []
         except APIError as error:
-            yield sse_error(error)
+            events.append(sse_error(error))  # after the events of the deltas before it
+            yield "".join(events)
         else:
             if (payload := last(generated)) is not None:
                 yield sse(payload)

@@ -1,0 +1,199 @@
+"""What the server costs: `minillm serve` vs `LLM.generate` on the very same requests (chapter 12).
+
+    python -m minillm.bench.serve_overhead                      # tiny random model on the CPU
+    python -m minillm.bench.serve_overhead --model M --device cuda --num-prompts 384
+
+The server runs in a subprocess (as in notebook 12); every request is sent at once (rate inf) as token
+ids with ignore_eos, so the server's engine gets the same work `LLM.generate` gets, token for token.
+Then the server stops and the offline engine runs the same list in this process. The ratio of output
+throughputs is what HTTP, JSON, SSE and the async loop cost.
+
+Without --model, a 2-layer Llama with hidden size 64 and SmolLM2's tokenizer (random weights) stands in:
+its engine step is short, so the server's per-token costs weigh as much as they do next to an H100's
+step. With --profile DIR the server runs under yappi (every thread, CPU time) and writes its
+top functions per thread to DIR/serve-profile.txt when it stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def tiny_checkpoint(folder: Path) -> Path:
+    """A Hugging Face folder: 2 Llama layers of width 64, SmolLM2's vocabulary, tokenizer and chat
+    template, random weights (notebook 12's CPU stand-in)."""
+    import torch
+    import transformers
+
+    from ..tokenizer.export import save_tokenizer_json
+    from ..tokenizer.loaders import load_tokenizer
+
+    tok = load_tokenizer()
+    cfg = transformers.LlamaConfig(vocab_size=len(tok.vocab), hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=2048, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    save_tokenizer_json(tok, folder / "tokenizer.json")
+    (folder / "chat_template.jinja").write_text(tok.chat_template)
+    return folder
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served(model: str, device: str, log: Path, profile: Path | None, timeout: float = 300.0):
+    """`minillm serve` in a subprocess on 127.0.0.1 (one intra-op thread on a CPU); yields its URL."""
+    port = _free_port()
+    serve = ["-m", "minillm", "serve", "--model", model, "--device", device, "--port", str(port),
+             "--no-access-log", "--log-level", "warning"]
+    if profile is not None:  # the same server, under yappi (it stops at SIGINT and writes its table)
+        serve = ["-c", _PROFILED.format(out=str(profile / "serve-profile.txt")), *serve[3:]]
+    env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if device == "cpu" else {})}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, *serve], stdout=out, stderr=subprocess.STDOUT, env=env)
+    base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}:\n{log.read_text()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server was not healthy after {timeout} s")
+            time.sleep(0.2)
+        yield base, proc.pid
+    finally:
+        proc.send_signal(2)  # SIGINT: graceful, and the profiled server writes its table
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+_PROFILED = """
+import sys, yappi
+from minillm.cli import main
+yappi.set_clock_type("cpu")
+yappi.start()
+try:
+    main(["serve", *sys.argv[1:]])
+finally:
+    yappi.stop()
+    with open({out!r}, "w") as f:
+        for t in yappi.get_thread_stats():
+            f.write(f"=== thread {{t.name}} ({{t.ttot:.2f}} s)\\n")
+            yappi.get_func_stats(ctx_id=t.id).sort("tsub").print_all(
+                out=f, columns={{0: ("name", 90), 1: ("ncall", 9), 2: ("tsub", 8), 3: ("ttot", 8)}})
+"""
+
+
+def measure(model: str, device: str, num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
+            work: Path, profile: Path | None = None) -> dict:
+    """-> output tokens/s served (rate inf) and offline on the same requests, and their ratio."""
+    import torch
+
+    from ..llm import LLM
+    from ..sampling import SamplingParams
+    from .serve import random_workload, run_requests
+    from .serve_metrics import summarize
+
+    reqs = random_workload(num_prompts, input_len, output_len, seed=12, prompt_format="ids")
+    with served(model, device, work / "serve.log", profile) as (base, pid):
+        asyncio.run(run_requests(base, reqs[:4], request_rate=math.inf, ignore_eos=True, progress=False))  # warm
+        steps, cpu = _engine_steps(base), _cpu_seconds(pid)
+        results, duration, _ = asyncio.run(run_requests(base, reqs, request_rate=math.inf, ignore_eos=True,
+                                                        seed=12, progress=False))
+        steps, cpu = _engine_steps(base) - steps, {k: v - cpu[k] for k, v in _cpu_seconds(pid).items()}
+    s = summarize(results, duration, (1e9, 1e9))
+    if s["failed"]:
+        raise RuntimeError(f"{s['failed']} requests failed: {[r.error for r in results if r.error][:3]}")
+    if device == "cpu":
+        torch.set_num_threads(1)  # as the server ran: the same CPU for both
+    llm = LLM(model, device=device)
+    prompts = [{"prompt_token_ids": q.prompt} for q in reqs]
+    params = [SamplingParams(temperature=0.0, max_tokens=q.max_tokens, ignore_eos=True) for q in reqs]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm
+    offline_steps = llm.engine.engine_stats.num_steps
+    t, offline_cpu = time.perf_counter(), time.process_time()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    offline_s, offline_cpu = time.perf_counter() - t, time.process_time() - offline_cpu
+    offline_steps = llm.engine.engine_stats.num_steps - offline_steps
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    if tokens != s["total_output_tokens"]:
+        raise RuntimeError(f"the server made {s['total_output_tokens']} tokens, LLM.generate {tokens}")
+    return dict(requests=len(reqs), output_tokens=tokens, served_s=s["duration_s"],
+                served_tps=s["output_throughput"], offline_s=offline_s, offline_tps=tokens / offline_s,
+                ratio=s["output_throughput"] * offline_s / tokens, median_tpot_ms=s["median_tpot_ms"],
+                served_steps=steps, offline_steps=offline_steps, offline_cpu_s=offline_cpu,
+                loop_cpu_s=cpu["loop"], other_cpu_s=cpu["other"])
+
+
+def _cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of the server's main thread (the event loop) and of its other
+    threads (the engine's, tokenizing workers'), from /proc: less noisy than wall time on a busy machine."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {"loop": 0.0, "other": 0.0}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            fields = Path(task, "stat").read_text().rsplit(")", 1)[1].split()
+            out["loop" if int(task.name) == pid else "other"] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _engine_steps(base: str) -> float:
+    """The server's engine steps so far (/metrics)."""
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith("minillm_engine_steps_total "):
+            return float(line.split()[1])
+    raise RuntimeError("/metrics has no minillm_engine_steps_total")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="default: a tiny random Llama with SmolLM2's tokenizer")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--input-len", type=int, nargs=2, default=(4, 16), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(48, 64), metavar=("MIN", "MAX"))
+    p.add_argument("--repeat", type=int, default=1, help="measure this many times (a loaded machine is noisy)")
+    p.add_argument("--profile", type=Path, default=None, help="a folder: profile the server with yappi there")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="minillm-serve-overhead-") as tmp:
+        work = Path(tmp)
+        model = args.model or str(tiny_checkpoint(work / "tiny"))
+        if args.profile is not None:
+            args.profile.mkdir(parents=True, exist_ok=True)
+        for _ in range(args.repeat):
+            r = measure(model, args.device, args.num_prompts, tuple(args.input_len), tuple(args.output_len), work,
+                        args.profile)
+            print(f"{r['requests']} requests, {r['output_tokens']} output tokens: served {r['served_tps']:,.0f} tok/s "
+                  f"({r['served_s']:.2f} s, TPOT p50 {r['median_tpot_ms']:.2f} ms), offline {r['offline_tps']:,.0f} "
+                  f"tok/s ({r['offline_s']:.2f} s): server / offline {100 * r['ratio']:.0f} %; engine steps "
+                  f"{r['served_steps']:.0f} served, {r['offline_steps']} offline", flush=True)
+            k = 1000 / r["output_tokens"]
+            print(f"  CPU ms per 1000 output tokens: server event loop {k * 1e3 * r['loop_cpu_s']:.0f} + engine and "
+                  f"other threads {k * 1e3 * r['other_cpu_s']:.0f}; offline {k * 1e3 * r['offline_cpu_s']:.0f}",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
