@@ -34,13 +34,12 @@ M <= 16 gets the same summation order: a row's result does not depend on the bat
 The references beside the kernel dequantize the whole weight and multiply (the oracle of the tests,
 and what minillm runs on a CPU).
 
-Measured on an H100 (2026-11-25, bf16, Llama-3-8B linear shapes, CUDA-graph timing) against cuBLAS:
-W8A16 1.0-1.8x at M = 1 and 16, 0.3-1.1x at M = 128, 0.6x at 2048. W4A16 (group 128) 0.7-1.2x at
-M = 1 (550-920 GB/s of a ~3 TB/s roofline), 0.4-0.7x at 16, and 0.04-0.12x from M = 128 on: the tiles
-are not tuned yet, and the prefill shapes are far off (the strided loads of x's even and odd columns
-are the first suspect; a contiguous load split in registers with tl.split is the candidate fix).
-Batch-1 decode of Llama-3-8B (dummy weights, CUDA graphs): 6.7 ms a step in bf16, 5.1 in int8, 6.4
-in int4 (floors 5.4, 3.0, 1.9 ms at 3 TB/s).
+Measured on an H100 (2026-11-25, bf16, Llama-3-8B linear shapes, CUDA-graph timing, .gpu/w4sweep.py;
+chapters/bench/h100-2026-11-25/ch08-w4a16-tiles.json) against cuBLAS, with the swept decode tiles:
+W8A16 1.3-1.9x at M = 1 and 16 (the sweep's best, bn 32, reached 1.7-1.9x); W4A16 (group 128) 1.1-1.3x
+at M = 1 and 0.5-0.7x at M = 16 -- far from the 3.5x its bytes allow (Marlin reaches 3.9x). Its K tile
+may not cross a group (one scale per tile), so it reads 32 bytes of a row at a time; a tile spanning
+several groups (per-column scales) is the next step. Prefill runs cuBLAS on the dequantized weight.
 """
 
 from __future__ import annotations
@@ -118,24 +117,28 @@ def _wna16_kernel(
 
 
 def choose_tiles(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, device: torch.device,
-                 split_k: int | None):
+                 split_k: int | None, bits: int = 4):
     """(BLOCK_M, BLOCK_N, BLOCK_K, split_k, num_warps, num_stages) for an [M, K] x [K, N] product.
 
     BLOCK_K divides the group size (a tile needs one scale per column). Decode (M <= DECODE_M) takes one
-    16-row tile and splits K until there are about two programs per SM; prefill takes wide tiles."""
+    16-row tile; int4 and group-scaled int8 split K until there are about eight programs per SM, and
+    per-channel int8 runs 256-wide K tiles in one slice. Those are the best of a sweep on an H100
+    (2026-11-25, Llama-3-8B shapes, M = 1 and 16: BLOCK_N 32-128, BLOCK_K 64-256, split 1-16, 3 or 5
+    stages; .gpu/w4sweep.py): the same tiles for every M <= 16, so a row's sums do not depend on its batch."""
     if INTERPRET or dtype == torch.float32:
         # small tiles: the CPU tests' small shapes cross several of each; fp32 (IEEE dots, for checking
         # exactness, not for speed) would take minutes to compile wide ones (flash_attn.prune_fp32)
         bm, bn, bk, warps, stages = 16, 32, 32, 4, 1
     elif M <= DECODE_M:
-        bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
+        bm, bn, bk, warps, stages = (16, 64, 64, 4, 3) if bits == 4 else (16, 32, 256, 4, 4)
     else:
         bm, bn, bk, warps, stages = (64 if M <= 64 else 128), 128, 64, (4 if M <= 64 else 8), 3
     bk = math.gcd(bk, group_size)  # group_size is a multiple of 32: so is bk
     k_tiles = triton.cdiv(K, bk)
     if split_k is None:
         programs = triton.cdiv(N, bn) * triton.cdiv(M, bm)
-        split_k = 1 if M > DECODE_M else triton.cdiv(2 * sm_count(device), programs)
+        one_slice = M > DECODE_M or (bits == 8 and bk >= 256)  # per-channel int8: long K tiles, no split
+        split_k = 1 if one_slice else triton.cdiv(8 * sm_count(device), programs)
     split_k = max(1, min(split_k, k_tiles, MAX_SPLIT_K))
     return bm, bn, bk, split_k, warps, stages
 
@@ -148,7 +151,7 @@ def _launch(x, qweight, scales, mins, group_size, bits: int, split_k):
         return y
     if K == 0:
         return y.zero_()
-    bm, bn, bk, split_k, warps, stages = choose_tiles(M, N, K, group_size, x.dtype, x.device, split_k)
+    bm, bn, bk, split_k, warps, stages = choose_tiles(M, N, K, group_size, x.dtype, x.device, split_k, bits)
     k_tiles = triton.cdiv(K, bk)
     k_per_split = triton.cdiv(k_tiles, split_k) * bk
     split_k = triton.cdiv(k_tiles * bk, k_per_split)  # no empty slices
@@ -243,10 +246,10 @@ def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, gro
     """x [M, K] @ dequant(qweight)^T -> [M, N] in x's dtype; qweight int8 [N, K]; scales [N] (one per output
     channel, group_size None) or [N, K / group_size] (GGUF's Q8_0: group_size 32)."""
     _check(x, qweight, scales, None, group_size, 8, strict=True, split_k=split_k)
-    # Per channel, one group spans the whole row: any tile size divides it (128: the preferred K tile).
+    # Per channel, one group spans the whole row: any tile size divides it (256: the preferred K tile).
     if split_k is None and x.shape[0] > DECODE_M:  # prefill: as w4a16_gemm
-        return dequant_matmul(x, qweight, scales, None, group_size or 128, 8)
-    return _launch(x, qweight, scales, None, group_size or 128, 8, split_k)
+        return dequant_matmul(x, qweight, scales, None, group_size or 256, 8)
+    return _launch(x, qweight, scales, None, group_size or 256, 8, split_k)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
