@@ -1,17 +1,20 @@
 """What the server costs: `minillm serve` vs `LLM.generate` on the very same requests (chapter 12).
 
     python -m minillm.bench.serve_overhead                      # tiny random model on the CPU
-    python -m minillm.bench.serve_overhead --model M --device cuda --num-prompts 384
+    python -m minillm.bench.serve_overhead --device cuda --num-prompts 384 --input-len 128 512 \\
+        --output-len 64 256 --serve-args "--switch-interval-ms 0.5"        # the embedded model
 
 The server runs in a subprocess (as in notebook 12); every request is sent at once (rate inf) as token
 ids with ignore_eos, so the server's engine gets the same work `LLM.generate` gets, token for token.
 Then the server stops and the offline engine runs the same list in this process. The ratio of output
 throughputs is what HTTP, JSON, SSE and the async loop cost.
 
-Without --model, a 2-layer Llama with hidden size 64 and SmolLM2's tokenizer (random weights) stands in:
-its engine step is short, so the server's per-token costs weigh as much as they do next to an H100's
-step. With --profile DIR the server runs under yappi (every thread, CPU time) and writes its
-top functions per thread to DIR/serve-profile.txt when it stops.
+On a CPU without --model, a 2-layer Llama of width 64 with SmolLM2's tokenizer (random weights) stands
+in. Even so its step is long next to the server's work per token (the reference attention runs per
+sequence in Python), where an H100's step is not, so on a CPU the ratio understates what the server
+costs: compare the server's CPU time per 1000 output tokens, by thread, before and after a change
+(printed too; steadier than wall time on a shared machine). With --profile DIR the server runs under yappi (every thread, CPU time) and writes its
+top functions per thread to DIR/serve-profile.txt when it stops (pip install yappi).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import asyncio
 import contextlib
 import math
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -58,11 +62,13 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def served(model: str, device: str, log: Path, profile: Path | None, timeout: float = 300.0):
-    """`minillm serve` in a subprocess on 127.0.0.1 (one intra-op thread on a CPU); yields its URL."""
+def served(model: str | None, device: str, log: Path, profile: Path | None, flags: list[str] = (),
+           timeout: float = 300.0):
+    """`minillm serve` in a subprocess on 127.0.0.1 (one intra-op thread on a CPU); yields its URL and
+    pid. model None: the embedded one."""
     port = _free_port()
-    serve = ["-m", "minillm", "serve", "--model", model, "--device", device, "--port", str(port),
-             "--no-access-log", "--log-level", "warning"]
+    serve = ["-m", "minillm", "serve", *(["--model", model] if model else []), "--device", device,
+             "--port", str(port), "--no-access-log", "--log-level", "warning", *flags]
     if profile is not None:  # the same server, under yappi (it stops at SIGINT and writes its table)
         serve = ["-c", _PROFILED.format(out=str(profile / "serve-profile.txt")), *serve[3:]]
     env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if device == "cpu" else {})}
@@ -106,8 +112,8 @@ finally:
 """
 
 
-def measure(model: str, device: str, num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
-            work: Path, profile: Path | None = None) -> dict:
+def measure(model: str | None, device: str, num_prompts: int, input_len: tuple[int, int],
+            output_len: tuple[int, int], work: Path, profile: Path | None = None, flags: list[str] = ()) -> dict:
     """-> output tokens/s served (rate inf) and offline on the same requests, and their ratio."""
     import torch
 
@@ -117,7 +123,7 @@ def measure(model: str, device: str, num_prompts: int, input_len: tuple[int, int
     from .serve_metrics import summarize
 
     reqs = random_workload(num_prompts, input_len, output_len, seed=12, prompt_format="ids")
-    with served(model, device, work / "serve.log", profile) as (base, pid):
+    with served(model, device, work / "serve.log", profile, flags) as (base, pid):
         asyncio.run(run_requests(base, reqs[:4], request_rate=math.inf, ignore_eos=True, progress=False))  # warm
         steps, cpu = _engine_steps(base), _cpu_seconds(pid)
         results, duration, _ = asyncio.run(run_requests(base, reqs, request_rate=math.inf, ignore_eos=True,
@@ -131,6 +137,8 @@ def measure(model: str, device: str, num_prompts: int, input_len: tuple[int, int
     llm = LLM(model, device=device)
     prompts = [{"prompt_token_ids": q.prompt} for q in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=q.max_tokens, ignore_eos=True) for q in reqs]
+    if llm.engine.sizes.device.type == "cuda":
+        llm.engine.warm_up()  # compiled and captured, as the server was before /health said 200
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm
     offline_steps = llm.engine.engine_stats.num_steps
     t, offline_cpu = time.perf_counter(), time.process_time()
@@ -168,8 +176,10 @@ def _engine_steps(base: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="default: a tiny random Llama with SmolLM2's tokenizer")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--model", default=None, help="default: on a CPU a tiny random Llama with SmolLM2's "
+                   "tokenizer, on a GPU the embedded SmolLM2")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--serve-args", default="", help="more `minillm serve` flags, in one string")
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--input-len", type=int, nargs=2, default=(4, 16), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(48, 64), metavar=("MIN", "MAX"))
@@ -178,12 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="minillm-serve-overhead-") as tmp:
         work = Path(tmp)
-        model = args.model or str(tiny_checkpoint(work / "tiny"))
+        model = args.model or (str(tiny_checkpoint(work / "tiny")) if args.device == "cpu" else None)
         if args.profile is not None:
             args.profile.mkdir(parents=True, exist_ok=True)
         for _ in range(args.repeat):
             r = measure(model, args.device, args.num_prompts, tuple(args.input_len), tuple(args.output_len), work,
-                        args.profile)
+                        args.profile, shlex.split(args.serve_args))
             print(f"{r['requests']} requests, {r['output_tokens']} output tokens: served {r['served_tps']:,.0f} tok/s "
                   f"({r['served_s']:.2f} s, TPOT p50 {r['median_tpot_ms']:.2f} ms), offline {r['offline_tps']:,.0f} "
                   f"tok/s ({r['offline_s']:.2f} s): server / offline {100 * r['ratio']:.0f} %; engine steps "

@@ -32,6 +32,7 @@ import asyncio
 import hmac
 import logging
 import os
+import sys
 import time
 from collections import OrderedDict
 from contextlib import asynccontextmanager
@@ -272,6 +273,8 @@ def run_server(args) -> int:
     from .cli_args import engine_kwargs
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.switch_interval_ms is not None:  # how long a thread may hold the GIL while the other waits
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     api_key = args.api_key or os.environ.get("MINILLM_API_KEY") or None
     model_name = args.served_model_name or args.model or embedded_model_path().stem
     EngineConfig(**engine_kwargs(args))  # a bad engine flag: exit 2 now, before the port opens

@@ -16,6 +16,16 @@ def _prefix_caching(value: str):
     return choices[value]
 
 
+def _positive_ms(value: str) -> float:
+    try:
+        ms = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds, not {value!r}") from None
+    if not ms > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 ms, not {value!r}")
+    return ms
+
+
 # (flag, EngineConfig field, type, help); the default is EngineConfig's
 ENGINE_FLAGS = [
     ("--block-size", "block_size", int, "tokens per KV block"),
@@ -51,6 +61,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--switch-interval-ms", type=_positive_ms, default=None,
+                   help="Python's GIL switch interval in ms (default: Python's, 5): the engine thread and the "
+                   "event loop share the GIL, and a thread back from the GPU may wait this long for it")
     p.add_argument("--quantization", default=None, help="weights in fewer bits: int8, int4, awq, gptq "
                    "(NAME:key=value,... for options), or a folder written by `minillm quantize`")
     g = p.add_argument_group("engine")

@@ -30,6 +30,7 @@ from .protocol import (
     DeltaMessage,
 )
 from .serving_engine import APIError, OpenAIServing, gather, new_id, usage
+from .stream_chunks import ChunkFrame
 
 # SamplingParams' names for what the chat schema calls otherwise (an error names the request's field)
 _RENAMES = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}
@@ -64,10 +65,13 @@ class OpenAIServingChat(OpenAIServing):
     def _stream(self, request_id: str, created: int, requests, include_usage: bool,
                 marks: dict) -> AsyncIterator[str]:
         [(_, ids, params)] = requests
-        roles = [self._chunk(request_id, created, [ChatCompletionStreamChoice(  # the role first, as OpenAI does
-            index=i, delta=DeltaMessage(role="assistant", content=""))]) for i in range(params.n)]
+        frame = ChunkFrame("chat.completion.chunk", request_id, created, self.model_name)
+        # the role first, as OpenAI does
+        roles = [frame.chat(i, "", None, None, role="assistant") for i in range(params.n)]
 
         def chunk(_: int, out) -> str:
+            if out.logprobs is None or params.logprobs is None:  # the hot path (stream_chunks.py)
+                return frame.chat(out.index, out.text or None, out.finish_reason, out.stop_reason)
             return self._chunk(request_id, created, [ChatCompletionStreamChoice(
                 index=out.index, delta=DeltaMessage(content=out.text or None),
                 logprobs=self._logprobs(out.token_ids, out.logprobs, params.logprobs),

@@ -23,6 +23,7 @@ from .protocol import (
     CompletionResponseChoice,
 )
 from .serving_engine import OpenAIServing, gather, new_id, usage
+from .stream_chunks import ChunkFrame
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -58,12 +59,14 @@ class OpenAIServingCompletion(OpenAIServing):
                 marks: dict) -> AsyncIterator[str]:
         n = requests[0][2].n
         offsets = [0] * (len(requests) * n)  # text_offset of each choice's next token
+        frame = ChunkFrame("text_completion", request_id, created, self.model_name)
 
         def chunk(i: int, out) -> str:
             index, lp = i * n + out.index, None
-            if out.logprobs is not None:
-                lp = logprobs(out.token_ids, out.logprobs, offsets[index])
-                offsets[index] += sum(len(t) for t in lp.tokens)
+            if out.logprobs is None:  # the hot path: formatted directly (stream_chunks.py)
+                return frame.completion(index, out.text, out.finish_reason, out.stop_reason)
+            lp = logprobs(out.token_ids, out.logprobs, offsets[index])
+            offsets[index] += sum(len(t) for t in lp.tokens)
             return self._chunk(request_id, created, [CompletionResponseChoice(
                 index=index, text=out.text, logprobs=lp, finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
 
