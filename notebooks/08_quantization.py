@@ -272,7 +272,9 @@ print_table(targets, title="measured vs the issue's targets" + ("" if nb.on_gpu(
 # torchao reference point: int4 at 1.90× bf16 on an H100. On a CPU a tiny Llama runs a few tokens.
 
 # %%
+gc.collect()
 if nb.on_gpu():
+    torch.cuda.empty_cache()  # the engines size their pools from free memory: give back sections 1-3's
     e2e_model = preset("llama-3-8b")
     # batch 1 only: graphs captured for one sequence, the prompt's step eager, a modest pool
     e2e_args = dict(input_len=128, output_len=128, num_iters=2, num_iters_warmup=1, max_num_seqs=1,
@@ -472,7 +474,10 @@ for kv, kv_dtype in {"auto": dtype, "fp8": torch.float8_e4m3fn, "int8": torch.in
     tp_rows.append({"kv_cache": f"{str(dtype).removeprefix('torch.')} (auto)" if kv == "auto" else kv,
                     "kv_blocks": m["num_blocks"], "max_tokens": m["num_blocks"] * 16, "peak_used_blocks": m["peak_used_blocks"],
                     "preemptions": m["num_preemptions"], "output_tok_s": m["output_tok_s"]})
+    del r
     gc.collect()
+    if nb.on_gpu():
+        torch.cuda.empty_cache()
 for r in tp_rows:
     r["vs_first"] = r["output_tok_s"] / tp_rows[0]["output_tok_s"]
 print_table(tp_rows, title=f"throughput workload ({TP['num_requests']} requests, reduced), KV pool of "
