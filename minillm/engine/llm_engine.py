@@ -130,6 +130,10 @@ class LLMEngine:
                 raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} is too "
                                  f"large for max_model_len={sizes.max_model_len}")
             self.proposer = make_proposer(spec, model, self.runner, sizes, draft)
+            if self.runner.graphs is not None and hasattr(self.proposer, "graphs"):  # its passes replay too
+                self.proposer.graphs = self.runner.make_graphs(model=self.proposer.model)
+                with torch.inference_mode():
+                    self.proposer.graphs.capture_decode(progress)  # the one-token draft passes
             self.rejection_sampler = RejectionSampler()
             self.scheduler.num_lookahead = self._num_lookahead
         self.groups: dict[str, SequenceGroup] = {}
@@ -375,7 +379,7 @@ class LLMEngine:
         plain = [i for i, s in enumerate(seqs) if not s.spec_token_ids]
         spec = [i for i, s in enumerate(seqs) if s.spec_token_ids]
         if plain:
-            self._sample_plain([seqs[i] for i in plain], logits[torch.tensor([starts[i] for i in plain])])
+            self._sample_plain([seqs[i] for i in plain], logits[torch.tensor([starts[i] for i in plain], device=logits.device)])
         rows = torch.tensor([r for i in spec for r in range(starts[i], starts[i + 1])], device=logits.device)
         self._verify([seqs[i] for i in spec], logits[rows])
 
@@ -455,6 +459,9 @@ class LLMEngine:
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter()
         self.runner.capture_token_buckets()  # every bucket up to the budget, whatever the prompt limit
+        if getattr(self.proposer, "graphs", None) is not None:  # a draft model's catch-up passes
+            with torch.inference_mode():
+                self.proposer.graphs.capture_buckets(self.max_model_len)
         for n in sorted(lengths):  # one at a time: each step's longest chunk is the prompt itself
             self.add_request(f"warm-up-{n}", {"prompt_token_ids": [(7 * i + n) % vocab for i in range(n)]}, params)
             while self.has_unfinished_requests():
@@ -491,6 +498,9 @@ class LLMEngine:
         if self.runner.graphs is not None:
             self.runner.graphs.clear()
             self.runner.graphs = None  # the static buffers too; what is left runs eagerly
+        if getattr(self.proposer, "graphs", None) is not None:  # a draft's graphs (chapter 09)
+            self.proposer.graphs.clear()
+            self.proposer.graphs = None
         self.cache.k_caches.clear()
         self.cache.v_caches.clear()
 

@@ -87,8 +87,13 @@ class ModelRunner:
         cache.bind(model)
         self.graphs = self.make_graphs() if self.use_cuda_graphs else None
 
-    def make_graphs(self, capture: bool = True) -> StepGraphs:
-        """The static buffers and graphs; capture=False runs the same padded steps eagerly (tests)."""
+    def make_graphs(self, capture: bool = True, model=None) -> StepGraphs:
+        """The static buffers and graphs; capture=False runs the same padded steps eagerly (tests).
+        model: another model's steps on the same sizes (chapter 09's draft passes; one logits row a
+        sequence)."""
+        if model is not None:
+            return StepGraphs(model, self.device, self.graph_sizes, self.token_buckets, self.max_num_seqs,
+                              self.max_blocks_per_seq, capture)
         return StepGraphs(self.model, self.device, self.graph_sizes, self.token_buckets, self.max_num_seqs,
                           self.max_blocks_per_seq, capture, self.logits_per_seq)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.model_runner import forward_packed, new_tokens, pack
+from ..layers.backend import get_kernel_mode
 from ..sampling import filtered_probs
 from ..sampling.rejection_sampler import DRAFT_STREAM, race, spec_metadata
 from ..sequence import Sequence
@@ -39,6 +40,7 @@ class ModelProposer(Proposer):
 
     def __init__(self, model, block_size: int, device, vocab_size: int):
         self.model, self.block_size, self.device, self.vocab_size = model, block_size, device, vocab_size
+        self.graphs = None  # StepGraphs of the draft's own passes (set by the engine on a GPU)
 
     def start(self, seq: Sequence) -> int:
         """The first position whose K/V the draft model lacks (it reads everything before it)."""
@@ -66,7 +68,7 @@ class ModelProposer(Proposer):
         while active:
             lens = [len(c[1]) for c in chunks]
             last = torch.tensor(lens).cumsum(0).sub(1).tolist()  # each chunk's last row
-            logits = forward_packed(self.model, self.device, pack(chunks, self.block_size), lens, last)  # [A, V]
+            logits = self.forward(chunks, lens, last)  # [A, V]
             tokens, q = self.sample(logits, [seqs[i] for i in active], [len(drafts[i]) for i in active], any_random)
             for row, i in enumerate(active):
                 drafts[i].append(tokens[row])
@@ -81,6 +83,16 @@ class ModelProposer(Proposer):
                 self.drafted(s, len(d))
         probs = torch.stack([q for row in qs for q in row]) if any_random and any(qs) else None  # [D, V]
         return drafts, probs
+
+    def forward(self, chunks, lens: list[int], last: list[int]) -> torch.Tensor:
+        """One draft pass: a captured graph when the shape fits (the one-token passes are decode
+        shapes), else eagerly."""
+        packed = pack(chunks, self.block_size)
+        graphs = self.graphs if get_kernel_mode() != "torch" else None
+        shape = graphs.shape_for(len(packed[0]), len(chunks), len(last)) if graphs is not None else None
+        if shape is not None:
+            return graphs.run(shape, *packed, lens, last)
+        return forward_packed(self.model, self.device, packed, lens, last)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], offsets: list[int],
                any_random: bool) -> tuple[list[int], torch.Tensor | None]:

@@ -1,0 +1,203 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 09 · Speculative decoding
+#
+# A decode step of a small batch reads every weight and does little arithmetic with them, so checking
+# $k + 1$ tokens of a sequence costs about as much as producing one. Speculative decoding guesses $k$
+# tokens cheaply (a proposer), verifies them in one step of the target model, and keeps the longest
+# prefix the target agrees with plus one token of its own — with a rejection rule that leaves the
+# output distribution exactly the target's. This notebook measures the cost of a verify step, draws
+# the distribution test, and runs the three proposers through minillm's engine: acceptance,
+# predicted vs measured speedup, and speedup vs batch size.
+
+# %%
+import os
+import time
+
+import torch
+
+if not torch.cuda.is_available():  # Triton's interpreter must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import matplotlib.pyplot as plt
+
+from minillm import SamplingParams, load_tokenizer
+from minillm import notebook as nb
+from minillm.bench import spec as spec_bench
+from minillm.bench.table import print_table
+from minillm.cache import PagedKVCache, kv_cache_spec
+from minillm.config import preset
+from minillm.engine import EngineConfig, LLMEngine
+from minillm.engine.model_runner import pack
+from minillm.hw import time_it
+from minillm.layers import AttentionMetadata
+from minillm.loader import load_model
+from minillm.sampling import rejection_sampler as rs
+from minillm.sampling.rejection_sampler import RejectionSampler, spec_metadata
+
+nb.header("09")
+dev = nb.device()
+T0 = time.perf_counter()
+tok = load_tokenizer()
+
+# %% [markdown]
+# ## 1 · A verify step costs about one decode step
+#
+# One forward pass over $B$ sequences that each bring $q$ new tokens after `ctx` cached ones: $q = 1$
+# is a decode step, $q = k + 1$ a verify. Timed as CUDA-graph replays (the engine replays graphs too),
+# on the embedded SmolLM2-135M and on Llama-3-8B's shapes with dummy weights. On a CPU a tiny model
+# stands in and the times mean nothing.
+
+# %%
+def step_time(model, B: int, ctx: int, q: int) -> float:
+    """Seconds of one forward pass: B sequences, q new tokens each after ctx cached tokens."""
+    bs = 16
+    per = -(-(ctx + q) // bs)
+    cache = PagedKVCache(kv_cache_spec(model), 1 + B * per, bs, dev)
+    cache.bind(model)
+    chunks = [(ctx, [7] * q, list(range(1 + b * per, 1 + (b + 1) * per))) for b in range(B)]
+    ids, pos, slots, seq_lens, table = pack(chunks, bs)
+    meta = AttentionMetadata.from_seq_lens([q] * B, dev)
+    meta.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+    meta.block_table = torch.tensor(table, dtype=torch.int32, device=dev)
+    meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
+    ids_t, pos_t = torch.tensor(ids, device=dev), torch.tensor(pos, device=dev)
+
+    @torch.inference_mode()
+    def fn():
+        return model.compute_logits(model(ids_t, pos_t, meta))  # logits at every row, as a verify wants
+
+    t = time_it(fn, device=dev, warmup=2, reps=nb.pick(cpu=1, gpu=10), inner=1, cuda_graph=nb.on_gpu())
+    cache.unbind(model)
+    return t
+
+
+if nb.on_gpu():
+    models = {"SmolLM2-135M": load_model(None, dtype=torch.bfloat16, device=dev)[0],
+              "Llama-3-8B (dummy)": load_model(preset("llama-3-8b"), load_format="dummy", dtype=torch.bfloat16,
+                                               device=dev)[0]}
+else:
+    models = {"tiny-random": nb.tiny_random_model()[0]}
+ks, batches, ctx = [0, 1, 2, 4, 8], nb.pick(cpu=[1], gpu=[1, 8, 64]), nb.pick(cpu=32, gpu=512)
+rows = []
+for name, m in models.items():
+    for B in batches:
+        t1 = step_time(m, B, ctx, 1)
+        for k in ks:
+            t = step_time(m, B, ctx, k + 1) if k else t1
+            rows.append({"model": name, "batch": B, "k": k, "ms": 1e3 * t, "x decode": t / t1})
+print_table(rows, title=f"one forward pass, k + 1 tokens per sequence after {ctx} cached ({dev})")
+fig, ax = plt.subplots(figsize=(7, 4))
+for name in models:
+    for B in batches:
+        pts = [r for r in rows if r["model"] == name and r["batch"] == B]
+        ax.plot([r["k"] for r in pts], [r["x decode"] for r in pts], marker="o", label=f"{name}, batch {B}")
+ax.set(xlabel="draft tokens k", ylabel="verify time / decode time", title="the price of verifying k + 1 tokens")
+ax.legend()
+plt.show()
+models.pop("Llama-3-8B (dummy)", None)  # 16 GB of dummy weights: not needed below
+if nb.on_gpu():
+    torch.cuda.empty_cache()
+
+# %% [markdown]
+# ## 2 · The distribution test, drawn
+#
+# Scripted target distributions $p_0, p_1$ and draft distributions $q_0, q_1$ on 8 tokens; 30 000
+# sequences draw their drafts from $q$ and are verified in one batched call. The tokens emitted at
+# each position follow $p$ (left); resampling from $p$ instead of the residual $\max(p - q, 0)$
+# (a one-line bug) over-weights the draft's favourites (right).
+
+# %%
+V, K, N = 8, 2, 30000
+g = torch.Generator().manual_seed(0)
+p = torch.softmax(torch.randn(K + 1, V, generator=g), -1)
+q = torch.softmax(torch.randn(K, V, generator=g) * 2, -1)
+drafts = torch.stack([torch.multinomial(q[j], N, replacement=True, generator=g) for j in range(K)], 1)
+params = SamplingParams(temperature=1.0)
+
+
+def emitted(residual=None):
+    saved = rs.residual_probs
+    rs.residual_probs = residual or saved
+    try:
+        meta = spec_metadata([params] * N, list(range(N)), [0] * N, [K] * N, V, "cpu")
+        return RejectionSampler()(torch.log(p).repeat(N, 1), [K] * N, drafts.reshape(-1).tolist(),
+                                  q.repeat(N, 1), meta)
+    finally:
+        rs.residual_probs = saved
+
+
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.5), sharey=True)
+for ax, (title, out) in zip(axes, [("rejection sampling", emitted()),
+                                   ("bug: resample from p", emitted(lambda p_, q_: p_))]):
+    hist = torch.bincount(torch.tensor([e[0] for e in out]), minlength=V).float() / N
+    ax.bar(torch.arange(V) - 0.2, p[0], width=0.4, label="target p")
+    ax.bar(torch.arange(V) + 0.2, hist, width=0.4, label="emitted")
+    ax.set(title=f"{title}: first position", xlabel="token")
+axes[0].set_ylabel("probability")
+axes[0].legend()
+plt.show()
+
+# %% [markdown]
+# ## 3 · Acceptance and speedup per proposer
+#
+# Greedy, EOS ignored, every request runs the same number of tokens. Grounded prompts quote their
+# input (a passage to summarize or repeat, a function to edit); open ones do not. For each proposer:
+# acceptance, mean acceptance length $\tau$, the step costs, and the speedup predicted from them,
+# $\tau \cdot t_1 / (t_\text{verify} + t_\text{draft} + \text{overhead})$, against the measured one.
+# On a CPU a tiny random model stands in with token-id prompts that repeat themselves.
+
+# %%
+if nb.on_gpu():
+    target = load_model(None, dtype=torch.bfloat16, device=dev)[0]
+    ids = {kind: [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True)
+                  for t in spec_bench.prompts(kind)] for kind in ("grounded", "open")}
+    layers = [8, 16]
+else:
+    target = models["tiny-random"]
+    ids = {"grounded": [[(7 * i) % 50 for i in range(12)] * 3], "open": [list(range(100, 130))]}
+    layers = [1]
+max_tokens, batch_sizes = nb.pick(cpu=8, gpu=96), nb.pick(cpu=[1], gpu=[1, 8, 64])
+results = []
+for name, spec in spec_bench.configs(nb.pick(cpu=[2], gpu=[2, 4]), layers, None):
+    engine = LLMEngine(target, tok, [], EngineConfig(speculative_config=spec, max_num_seqs=64,
+                                                     num_gpu_blocks=nb.pick(cpu=256, gpu=None)), progress=False)
+    engine.warm_up(max_prompt_len=max(len(x) for v in ids.values() for x in v))
+    for kind in ids:
+        for B in batch_sizes:
+            reqs = [ids[kind][i % len(ids[kind])] for i in range(B)]
+            spec_bench.serve(engine, reqs[:1], 4, "warm")
+            results.append({"prompts": kind, "batch": B, "config": name,
+                            **spec_bench.serve(engine, reqs, max_tokens, name)})
+    engine.shutdown()
+for r in results:
+    base = next(b for b in results if b["config"] == "plain" and (b["prompts"], b["batch"]) == (r["prompts"], r["batch"]))
+    r["predicted"] = r["tau"] * base["t_step_ms"] / (r["t_exec_ms"] + r["t_draft_ms"]
+                                                     + base["t_step_ms"] - base["t_exec_ms"])
+    r["measured"] = r["decode_tok_s"] / base["decode_tok_s"]
+print_table(results, ["prompts", "batch", "config", "decode_tok_s", "acceptance", "tau", "t_step_ms", "t_exec_ms",
+                      "t_draft_ms", "predicted", "measured"], title="speculative decoding through the engine")
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+for ax, kind in zip(axes, ids):
+    for name in dict.fromkeys(r["config"] for r in results if r["config"] != "plain"):
+        pts = [r for r in results if r["prompts"] == kind and r["config"] == name]
+        ax.plot([r["batch"] for r in pts], [r["measured"] for r in pts], marker="o", label=name)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set(xscale="log", xlabel="batch size", ylabel="speedup over plain decoding", title=f"{kind} prompts")
+axes[0].legend(fontsize=8)
+plt.show()
+print(f"notebook time: {time.perf_counter() - T0:.0f} s")
