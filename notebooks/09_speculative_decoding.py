@@ -107,6 +107,7 @@ for name in models:
 ax.set(xlabel="draft tokens k", ylabel="verify time / decode time", title="the price of verifying k + 1 tokens")
 ax.legend()
 plt.show()
+del m
 models.pop("Llama-3-8B (dummy)", None)  # 16 GB of dummy weights: not needed below
 if nb.on_gpu():
     torch.cuda.empty_cache()
