@@ -320,3 +320,18 @@ def test_a_failing_proposer_ends_only_the_requests_it_drafted_for(seed, tok, mon
     monkeypatch.undo()
     got = drain(engine)
     assert got["b"] == alone(model, tok, list(range(5, 25)), greedy)
+
+
+def test_cli_flags_make_the_speculative_config():
+    from minillm.cli import build_parser
+    from minillm.spec_decode.config import from_cli_args
+
+    parse = build_parser().parse_args
+    args = parse(["generate", "hi", "--speculative-method", "ngram", "--num-speculative-tokens", "3",
+                  "--prompt-lookup-max", "4"])
+    assert from_cli_args(args) == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    args = parse(["chat", "--speculative-model", "draft.gguf", "--num-speculative-tokens", "2"])
+    assert SpeculativeConfig.from_dict(from_cli_args(args)).method == "draft_model"
+    assert from_cli_args(parse(["generate", "hi"])) is None
+    with pytest.raises(ValueError, match="need --speculative-method"):
+        from_cli_args(parse(["generate", "hi", "--num-speculative-tokens", "2"]))
