@@ -218,7 +218,7 @@ plt.show()
 
 # %%
 MS = nb.pick([1, 16, 33], [1, 16, 128, 1024, 4096])
-gemm_rows = []
+gemm_rows, roof_pts = [], []
 for layer, (N, K) in SHAPES.items():
     w = (torch.randn(N, K, device=dev) * 0.02).to(dtype)
     kern = kernels_for(w)
@@ -229,6 +229,9 @@ for layer, (N, K) in SHAPES.items():
         row = {"layer": layer, "M": M, f"{base}_us": t[base] * 1e6}
         row |= {f"x_{fmt}": t[base] / t[fmt] for fmt in kern if fmt != base}
         gemm_rows.append(row)
+        for fmt, (bpw, _) in kern.items():  # for the roofline: FLOPs over the bytes each format must move
+            nbytes = N * K * bpw + (M * K + M * N) * x.element_size()
+            roof_pts.append((layer, fmt, M, 2 * M * N * K / nbytes, 2 * M * N * K / t[fmt] / 1e12))
     del w, kern
 print_table(gemm_rows, title=f"speed vs {base} ({'cuBLAS' if nb.on_gpu() else 'torch'}) across M, "
                              f"Llama-3-8B linear shapes{'' if nb.on_gpu() else ' (CPU: tiny shapes, interpreter)'}")
@@ -244,6 +247,21 @@ for ax, layer in zip(axes, SHAPES):
     ax.grid(True, which="both", alpha=0.3)
 axes[0].set_ylabel(f"speed vs {base}")
 axes[0].legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The same runs on the roofline of this device (measured copy bandwidth and bf16 GEMM rate), for the
+# largest layer: a format's arithmetic intensity is its FLOPs over the bytes it must move (its packed
+# weight plus x and y), so fewer bits per weight move a point right, toward the ridge. A point's
+# height below the line under it is what the kernel leaves on the table. (FP8 is left out: its
+# compute ceiling is the FP8 rate, twice this line.)
+
+# %%
+big_layer = max(SHAPES, key=lambda k: SHAPES[k][0] * SHAPES[k][1])
+pts = [(f"{fmt} M={M}", ai, tf) for layer, fmt, M, ai, tf in roof_pts if layer == big_layer and fmt != "fp8"]
+ax = nb.plot_roofline(ceil, pts, title=f"{big_layer} {SHAPES[big_layer]}: weight-only GEMMs on the roofline "
+                                       f"of {ceil.device}")
 plt.tight_layout()
 plt.show()
 
