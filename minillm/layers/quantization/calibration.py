@@ -129,10 +129,11 @@ def capture_inputs(linears: dict[str, nn.Module]):
             h.remove()
 
 
-def calibrate_blockwise(model: nn.Module, seqs: list[list[int]], quantize_block, desc: str) -> None:
+def calibrate_blockwise(model: nn.Module, seqs: list[list[int]], quantize_block, desc: str,
+                        num_blocks: int | None = None) -> None:
     """Run the calibration sequences through the model one decoder layer at a time; before each layer
     moves the activations on, `quantize_block(block, inputs)` quantizes it from its layers' inputs
-    ({name: x [T, K]})."""
+    ({name: x [T, K]}). num_blocks: only the first so many (the tests' cheap runs); None: all."""
     from ..attention import AttentionMetadata
 
     layers = decoder_layers(model)
@@ -145,7 +146,7 @@ def calibrate_blockwise(model: nn.Module, seqs: list[list[int]], quantize_block,
     with torch.inference_mode():
         x, residual = inner.embed_tokens(ids), None  # [T, hidden]
         cos_sin = inner.rotary_emb.cos_sin(positions, x.dtype)
-        for block in tqdm(layers, desc=desc, unit="layer"):
+        for block in tqdm(layers[:num_blocks], desc=desc, unit="layer"):
             with capture_inputs(block_linears(block)) as seen:
                 block(positions, x, residual, meta, cos_sin)
             with torch.inference_mode(False), torch.no_grad():  # new parameters must not be inference tensors
