@@ -12,8 +12,10 @@ Choosing one (`LLM(quantization=...)`, `load_model(..., quantization=...)`):
     "int4"                                   int4 weights in groups of 128 inputs (int4.py)
     {"method": "int4", "group_size": 64}     a method with its options
     Int4Config(group_size=32)                a config object
+    "gguf"                                   a .gguf file's Q4_1/Q8_0 blocks kept packed (gguf.py)
 """
 
+from .awq import AWQConfig
 from .base import (
     LinearMethodBase,
     QuantizationConfig,
@@ -22,14 +24,15 @@ from .base import (
     UnquantizedLinearMethod,
     set_weight_attrs,
 )
-from .awq import AWQConfig
 from .fp8 import Fp8Config
+from .gguf import GGUFConfig
 from .gptq import GPTQConfig
 from .int4 import Int4Config
 from .int8 import Int8Config
 
 QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {"int8": Int8Config, "int4": Int4Config}
 QUANTIZATION_METHODS["fp8"] = Fp8Config  # W8A8: fp8 weights and activations, torch._scaled_mm (fp8.py)
+QUANTIZATION_METHODS["gguf"] = GGUFConfig
 QUANTIZATION_METHODS["awq"] = AWQConfig  # calibrated on text at load (awq.py)
 QUANTIZATION_METHODS["gptq"] = GPTQConfig  # calibrated on text at load (gptq.py)
 
@@ -55,6 +58,6 @@ def get_quantization_config(spec) -> QuantizationConfig | None:
     return QUANTIZATION_METHODS[name].from_options(**options)
 
 
-__all__ = ["QUANTIZATION_METHODS", "Fp8Config", "Int4Config", "Int8Config", "LinearMethodBase", "QuantizationConfig",
+__all__ = ["QUANTIZATION_METHODS", "Fp8Config", "GGUFConfig", "Int4Config", "Int8Config", "LinearMethodBase", "QuantizationConfig",
            "QuantizeMethodBase", "UnquantizedEmbeddingMethod", "UnquantizedLinearMethod", "get_quantization_config",
            "set_weight_attrs"]
