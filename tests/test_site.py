@@ -88,7 +88,8 @@ def test_course_map_lists_all_chapters(site):
     for n in range(13):
         assert f"<td>{n:02d}</td>" in dom, f"chapter {n:02d} missing from the course map"
     for title in ("Why inference is different", "Tokenizer", "The model", "The KV cache", "FlashAttention in Triton",
-                  "Paged KV blocks", "Prefix caching", "Continuous batching"):
+                  "Paged KV blocks", "Prefix caching", "Continuous batching", "Quantization", "MLA and MoE",
+                  "Serving"):
         assert title in dom, f"{title!r} missing from the course map"
 
 
