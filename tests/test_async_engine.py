@@ -131,6 +131,31 @@ def test_abort_frees_blocks_and_engine_goes_on(folder, oracle):
     assert built[0].block_manager.num_used_blocks == 0 and not built[0].groups
 
 
+def test_stream_batches_queue_at_once_and_abort_when_dropped_unread(folder, oracle):
+    """The server queues a streamed request before its response starts; a response that never starts
+    (its client left first) drops the stream unread, and that must abort the request."""
+    prompt = oracle.tokenizer.encode("hello")
+    long = SamplingParams(temperature=0, max_tokens=CONTEXT - 10, ignore_eos=True)
+
+    async def body(engine):
+        stream = engine.stream_batches([("dropped", prompt, long)])  # queued now, never read
+        deadline = time.monotonic() + 20
+        while not engine.load.running:  # it runs without anyone reading it
+            assert time.monotonic() < deadline, engine.load
+            await asyncio.sleep(0.01)
+        del stream  # garbage: RequestStream.__del__ aborts it
+        while engine.load.used_blocks or engine.load.running or engine.load.waiting:
+            assert time.monotonic() < deadline, engine.load
+            await asyncio.sleep(0.01)
+        batches = [b async for b in engine.stream_batches([("read", prompt, SamplingParams(max_tokens=3))])]
+        return batches
+
+    reasons = []
+    batches = run(folder, body, on_finished=lambda out: reasons.append((out.request_id, out.metrics.finish_reason)))
+    assert reasons == [("dropped", "abort"), ("read", "length")]
+    assert batches[-1][-1].finished and sum(len(d.outputs[0].token_ids) for b in batches for d in b) == 3
+
+
 def test_failed_step_ends_only_its_request(folder, oracle):
     prompt = oracle.tokenizer.encode("the cat")
     params = SamplingParams(temperature=0, max_tokens=6)

@@ -193,28 +193,11 @@ class AsyncLLMEngine:
                 for delta in batch:
                     yield delta
 
-    async def stream_batches(self, requests: list[tuple[str, list[int], SamplingParams]]
-                             ) -> AsyncIterator[list[RequestOutput]]:
-        """stream(), a list at a time: every delta that has arrived by the time the reader asks. A
-        reader that keeps up gets one step's deltas per list; one that fell behind (the event loop
-        was busy) gets several steps' at once, and the server writes them to the socket in one go,
-        so under load the loop's cost per token falls instead of the backlog growing."""
-        out: asyncio.Queue = asyncio.Queue()
-        pending = set()
-        try:
-            for rid, ids, params in requests:
-                self.add_request(rid, ids, params, out)
-                pending.add(rid)
-            while pending:
-                batch = [await out.get()]
-                while pending and not out.empty():
-                    batch.append(out.get_nowait())
-                for delta in batch:
-                    if delta.finished:
-                        pending.discard(delta.request_id)
-                yield batch
-        finally:
-            self.abort(pending)
+    def stream_batches(self, requests: list[tuple[str, list[int], SamplingParams]]) -> RequestStream:
+        """stream(), a list at a time, and eager: the requests are queued for the engine now, not when
+        the stream is first read (the server queues them before it sends the response's headers, so
+        the engine's prefill overlaps them). See RequestStream."""
+        return RequestStream(self, requests)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
         """One request's deltas (stream() of one)."""
@@ -364,6 +347,56 @@ class AsyncLLMEngine:
                                self.engine.engine_stats.as_dict())
         if batch:
             self._call_soon(self._deliver, batch)
+
+
+class RequestStream:
+    """The deltas of some requests, as lists: every delta that has arrived by the time the reader
+    asks. A reader that keeps up gets one step's deltas per list; one that fell behind (the event
+    loop was busy) gets several steps' at once, and the server writes them to the socket in one go,
+    so under load the loop's cost per token falls instead of the backlog growing.
+
+    The requests are added when it is made. Closing it (aclose(), or the reader cancelled while it
+    waits), or dropping it unread (a response whose client left before its body began), aborts the
+    requests that have not finished."""
+
+    def __init__(self, engine: AsyncLLMEngine, requests: list[tuple[str, list[int], SamplingParams]]):
+        self._engine, self._out, self.pending = engine, asyncio.Queue(), set()
+        try:
+            for rid, ids, params in requests:
+                engine.add_request(rid, ids, params, self._out)
+                self.pending.add(rid)
+        except BaseException:
+            self.close()
+            raise
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> list[RequestOutput]:
+        if not self.pending:
+            raise StopAsyncIteration
+        try:
+            batch = [await self._out.get()]
+        except BaseException:  # cancelled: nobody will read the rest
+            self.close()
+            raise
+        while not self._out.empty():
+            batch.append(self._out.get_nowait())
+        for delta in batch:
+            if delta.finished:
+                self.pending.discard(delta.request_id)
+        return batch
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.pending:
+            self._engine.abort(self.pending)  # a put on a thread-safe queue: safe from __del__ too
+            self.pending = set()
+
+    def __del__(self):
+        self.close()
 
 
 def _failed_output(rid: str, ids: list[int], error: Exception, arrival: float) -> RequestOutput:

@@ -9,7 +9,6 @@ stream_options.include_usage) and `data: [DONE]`.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -29,7 +28,7 @@ from .protocol import (
     ChatLogProbsContent,
     DeltaMessage,
 )
-from .serving_engine import APIError, OpenAIServing, gather, new_id, usage
+from .serving_engine import APIError, OpenAIServing, gather, new_id, tokenize, usage
 from .stream_chunks import ChunkFrame
 
 # SamplingParams' names for what the chat schema calls otherwise (an error names the request's field)
@@ -43,8 +42,8 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, _RENAMES)
         conversation = request.conversation()
         try:
-            ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, conversation,
-                                          add_generation_prompt=True, tokenize=True)
+            ids = await tokenize(sum(len(m["content"]) for m in conversation), self.tokenizer.apply_chat_template,
+                                 conversation, add_generation_prompt=True, tokenize=True)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="messages") from None
         marks = {"received": received, "tokenized": time.perf_counter()}

@@ -7,7 +7,6 @@ stream_options.include_usage one more chunk, with no choices, carries the usage;
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -22,7 +21,7 @@ from .protocol import (
     CompletionResponse,
     CompletionResponseChoice,
 )
-from .serving_engine import OpenAIServing, gather, new_id, usage
+from .serving_engine import OpenAIServing, gather, new_id, tokenize, usage
 from .stream_chunks import ChunkFrame
 
 
@@ -31,7 +30,8 @@ class OpenAIServingCompletion(OpenAIServing):
         received = time.perf_counter()
         self.check_model(request.model)
         params = self.sampling_params(request)
-        prompts = await asyncio.to_thread(self._token_ids, request.prompts())
+        texts = request.prompts()
+        prompts = await tokenize(sum(len(p) for p in texts if isinstance(p, str)), self._token_ids, texts)
         marks = {"received": received, "tokenized": time.perf_counter()}
         request_id, created = new_id("cmpl")
         requests = self.check(request_id, prompts, params, "prompt")

@@ -51,6 +51,18 @@ def sse_error(error: APIError) -> str:
     return sse(json.dumps(error.body()))
 
 
+INLINE_TOKENIZE_CHARS = 1024  # text up to this long is tokenized on the loop: a thread hop costs more
+
+
+async def tokenize(chars: int, fn: Callable, *args, **kwargs):
+    """fn(*args, **kwargs) for `chars` characters of text: on the event loop when short (a hop to a
+    worker thread and back costs more than BPE on a short text, and sits in every request's TTFT), in a
+    worker thread when long (a long prompt would stall every stream while it is encoded)."""
+    if chars <= INLINE_TOKENIZE_CHARS:
+        return fn(*args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
 KEEP_TIMINGS = 1024  # the most recent requests whose path in time GET /debug/timing/{id} can show
 
 
@@ -142,9 +154,9 @@ class OpenAIServing:
         contextlib.aclosing: closing it aborts the rest)."""
         return self.engine.stream_batches(requests)
 
-    async def sse_stream(self, requests, chunk: Callable[[int, CompletionOutput], str],
-                         last: Callable[[int], str | None], first: Iterable[str] = (),
-                         timing: tuple[str, dict] | None = None) -> AsyncIterator[str]:
+    def sse_stream(self, requests, chunk: Callable[[int, CompletionOutput], str],
+                   last: Callable[[int], str | None], first: Iterable[str] = (),
+                   timing: tuple[str, dict] | None = None) -> AsyncIterator[str]:
         """The SSE body of a streamed answer: the `first` chunks, then chunk(prompt index, output) for every
         output with something to show, then last(tokens generated) (the usage chunk, or None), then
         [DONE]. If the engine fails a request, an error event and [DONE] end the stream (the 200 is sent
@@ -154,14 +166,20 @@ class OpenAIServing:
         Each string yielded is one write to the socket: the events of every delta that has arrived
         (one step's when the loop keeps up, several when it fell behind). A write costs the loop far
         more than an event (ASGI middlewares, HTTP framing, the transport), so under load fewer
-        writes is what keeps the loop from holding the GIL the engine thread needs."""
+        writes is what keeps the loop from holding the GIL the engine thread needs.
+
+        The requests are queued for the engine now, before the response's headers go out (the
+        body is read only after the handler returns): its prefill runs while they are sent."""
+        return self._sse(requests, self.stream(requests), chunk, last, first, timing)
+
+    async def _sse(self, requests, stream, chunk, last, first, timing) -> AsyncIterator[str]:
         where = {rid: i for i, (rid, _, _) in enumerate(requests)}
         generated, final = 0, None
         if opening := "".join(sse(payload) for payload in first):
             yield opening
         events = []
         try:
-            async with aclosing(self.stream(requests)) as batches:
+            async with aclosing(stream) as batches:
                 async for batch in batches:
                     for delta in batch:
                         if (error := failed(delta)) is not None:
