@@ -336,9 +336,42 @@ def test_padded_steps_through_the_triton_kernels_with_a_quantized_cache(seed, to
     assert {shape.max_seqlen == 1 for shape in engine.runner.graphs.replays} == {True, False}
 
 
-PROMPTS = ["The capital of France is", "Write a haiku about autumn.", "What is 12 times 7?",
-           "Explain what a KV cache is in one paragraph.", "List three colors of the rainbow.",
-           "def fibonacci(n):", "Once upon a time, in a small village,", "Translate 'good morning' into Spanish."]
+# Held-out (question, answer) pairs, none of them calibration text: the answer is the context the
+# greedy predictions are compared on, token by token.
+QA = [
+    ("What is a lighthouse for?", "A lighthouse marks a dangerous coast or a safe harbour entrance. Its lamp, "
+     "magnified by a large lens, flashes in a pattern that sailors look up on their charts, so that at night "
+     "they know not only that land is near but exactly which point of land they are looking at. Many are now "
+     "automatic, and the old keepers' cottages have become museums."),
+    ("How do bees make honey?", "Worker bees collect nectar from flowers and carry it back to the hive in a "
+     "special stomach. There they pass it from bee to bee, adding enzymes, and spread it over the wax cells. "
+     "Fanning their wings, they evaporate most of the water until the thick honey can be sealed with wax "
+     "and stored for the winter, when no flowers bloom."),
+    ("Why do we have leap years?", "The Earth takes about 365 days and six hours to go around the Sun. A "
+     "calendar of exactly 365 days would drift by almost a day every four years, so every fourth year gets an "
+     "extra day in February, with a few exceptions for century years to keep the seasons in place for "
+     "centuries."),
+    ("Describe a good morning routine.", "Wake up at the same time every day, drink a glass of water and open "
+     "the curtains to let in daylight. Stretch or walk for ten minutes, eat a simple breakfast with some "
+     "protein, and look at your plan for the day before you open your email or any messages. A calm "
+     "start makes the rest of the day easier."),
+    ("What does a compiler do?", "A compiler reads a program written in a high-level language and translates "
+     "it into instructions a machine can run. It checks the syntax and the types, builds an intermediate "
+     "representation, optimizes it by removing redundant work, and finally emits machine code or bytecode. Good "
+     "compilers also explain clearly what went wrong when a program has an error."),
+    ("Tell me about the Moon.", "The Moon is the Earth's only natural satellite, about a quarter of its "
+     "diameter. It always shows the same face to us because it rotates once for every orbit. Its gravity "
+     "raises the ocean tides, and its craters record billions of years of impacts from space. Twelve "
+     "astronauts walked on its surface between 1969 and 1972."),
+    ("How should I store fresh bread?", "Keep bread at room temperature in a paper bag or a bread box for a "
+     "day or two; plastic keeps it soft but makes the crust soggy. Never put it in the refrigerator, where it "
+     "goes stale faster. For longer storage, slice it and freeze it, then toast the slices straight from frozen "
+     "whenever you need them."),
+    ("Why is exercise good for the heart?", "Regular exercise makes the heart muscle stronger, so it pumps more "
+     "blood with each beat and can beat more slowly at rest. It lowers blood pressure, improves cholesterol "
+     "levels and helps control weight, which together reduce the risk of heart disease and stroke. Even "
+     "a brisk thirty-minute walk on most days of the week makes a measurable difference."),
+]
 
 
 def cached_logits(model, ids: list[int], dtype) -> torch.Tensor:
@@ -361,42 +394,38 @@ def cached_logits(model, ids: list[int], dtype) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def embedded_greedy():
-    """The embedded model (fp32 on a CPU), greedy, 64 tokens on 8 chat prompts, with a full-precision
-    KV cache: the tokens the quantized caches are compared with."""
+def embedded_fp32():
+    """The embedded model (fp32 on a CPU) and each QA pair as (context ids, answer ids), 64 answer tokens."""
     from minillm import LLM
 
-    llm = LLM(max_num_seqs=8)
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                 tokenize=True) for p in PROMPTS]
-    sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    runs = [(p, o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
-    # the oracle is the engine's own run: one prefill over prompt + tokens predicts those tokens again
-    same = sum((cached_logits(llm.model, p + t, torch.float32)[len(p) - 1:-1].argmax(-1) == torch.tensor(t)).sum()
-               for p, t in runs[:2])
-    assert same >= 0.95 * 128
-    return llm, runs
+    llm = LLM(enable_kv_cache=False)
+    runs = []
+    for question, answer in QA:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                   add_generation_prompt=True, tokenize=True)
+        runs.append((prompt, llm.tokenizer.encode(answer)[:64]))
+    assert all(len(a) == 64 for _, a in runs)
+    greedy = [cached_logits(llm.model, p + a, torch.float32)[len(p) - 1:-1].argmax(-1) for p, a in runs]
+    return llm, runs, greedy
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
-def test_embedded_model_greedy_tokens_agree_with_full_precision_kv(embedded_greedy, kv_cache_dtype):
-    """At each of the 64 positions of the full-precision run's greedy continuation, given the same
-    tokens before it, the quantized cache picks the same greedy token >= 90 % of the time (measured on
-    a CPU: 94.5 % fp8, 96.1 % int8, 4 prompts x 32 tokens). Teacher-forced: a free-running comparison
-    counts everything after the first flipped near-tie as different, which measures the model's chaos
-    more than the cache (the GPU script reports that one too)."""
-    llm, runs = embedded_greedy
+def test_embedded_model_greedy_tokens_agree_with_full_precision_kv(embedded_fp32, kv_cache_dtype):
+    """The embedded model's greedy token at each of 64 positions of 8 held-out answers, given the same
+    context, with a quantized cache vs the fp32 cache: >= 90 % the same (teacher-forced; each row of
+    logits is one greedy decision). Free-running generations are compared on the GPU
+    (scripts/kv_fp8_gpu.py agreement): there one flipped near-tie changes everything after it."""
+    llm, runs, greedy = embedded_fp32
     dtype = QMAX_DTYPE[kv_cache_dtype]
     calibrate_kv_scales(llm.model, calibration_prompts(llm.tokenizer), dtype)
     same = total = 0
-    for prompt, tokens in runs:
-        logits = cached_logits(llm.model, prompt + tokens, dtype)[len(prompt) - 1:-1]  # [64, vocab]
-        same += (logits.argmax(-1) == torch.tensor(tokens)).sum().item()
-        total += len(tokens)
+    for (prompt, answer), want in zip(runs, greedy):
+        got = cached_logits(llm.model, prompt + answer, dtype)[len(prompt) - 1:-1].argmax(-1)  # [64]
+        same += (got == want).sum().item()
+        total += len(answer)
     print(f"\n{kv_cache_dtype} KV: {same}/{total} = {same / total:.1%} of the fp32-KV greedy tokens")
-    assert same / total >= 0.90
+    assert total == 512 and same / total >= 0.90
 
 
 def test_cli_takes_kv_cache_dtype():
