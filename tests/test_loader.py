@@ -63,7 +63,7 @@ def test_config_readers_reject_what_is_unsupported():
     assert ModelConfig.from_hf(base).head_dim == 4
     with pytest.raises(ValueError, match="not supported"):
         ModelConfig.from_hf(base | {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
-    with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
+    with pytest.raises(ValueError, match="rope scaling 'yarn' is supported for latent-attention"):
         ModelConfig.from_hf(base | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         ModelConfig.from_hf(base | {"num_key_value_heads": 3})

@@ -70,7 +70,8 @@ def check_slot_mapping(fn, cases: int = 200):
 
     def reference(table, bs, start, end):
         # ModelRunner.prepare itself, for one sequence that has start tokens cached and brings end - start
-        seq = SimpleNamespace(seq_id=0, num_computed_tokens=start, prompt_ids=[0] * end, output_ids=[])
+        seq = SimpleNamespace(seq_id=0, num_computed_tokens=start, prompt_ids=[0] * end, output_ids=[], num_tokens=end,
+                              spec_token_ids=[])
         runner = SimpleNamespace(block_size=bs)
         _, _, slots, _, _ = ModelRunner.prepare(runner, [(seq, end - start)], {0: table})
         return slots
