@@ -1,9 +1,16 @@
+# ruff: noqa: B023, E402, E702  (benchmark closures are timed at once, inside their loop)
 """Chapter 08, GGUF-native on the GPU: is quantization="gguf" worth being the default for a quantized
 .gguf file? The embedded SmolLM2 (Q4_1 + Q8_0 embedding) dequantized to bf16 vs kept packed:
 weight memory, batch-1 decode (latency workload: 128-token prompt, 256 new tokens) and a throughput
 workload, alternating A B A B in one process; then its GEMMs alone (CUDA-graph timing)."""
-import json, os, random, statistics, sys, time
-import torch, triton
+import json
+import os
+import random
+import statistics
+import time
+
+import torch
+import triton
 from triton.testing import do_bench_cudagraph
 
 from minillm import LLM, SamplingParams
@@ -63,6 +70,7 @@ print("gguf/bf16 batch-1 decode tok/s:", res["latency_ratio_gguf_over_bf16"], " 
 
 # the GEMMs alone: SmolLM2's qkv / gate_up / down shapes in the file's formats vs bf16 cuBLAS
 from minillm.kernels.w4a16 import w4a16_gemm, w8a16_gemm
+
 packed = llms["gguf"].model
 layer = packed.model.layers[0]
 gemms = {"qkv": layer.self_attn.qkv_proj, "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj,

@@ -1,7 +1,15 @@
+# ruff: noqa: B023  (benchmark closures are timed at once, inside their loop)
 """Tile sweep of the W4A16/W8A16 decode kernel at M = 1 and 16 on Llama-3-8B shapes vs cuBLAS bf16."""
-import itertools, json, os, sys, time
-import torch, triton
+import itertools
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
 from triton.testing import do_bench_cudagraph
+
 sys.path.insert(0, ".")
 from minillm.kernels import w4a16 as W
 from minillm.layers.quantization.utils import quantize_int4, quantize_int8
@@ -40,7 +48,7 @@ for name, (N, K) in shapes.items():
                     y.copy_(out.sum(0))
             try:
                 t = do_bench_cudagraph(f, rep=10)
-            except Exception as e:
+            except Exception:
                 continue
             cfg = dict(bn=bn, bk=bk, split=split, warps=warps, stages=stages)
             if bits not in best or t < best[bits][0]:
