@@ -66,22 +66,7 @@ T0 = time.perf_counter()
 # written here as a Hugging Face folder: the numbers then say the path works, not how fast it is.
 
 # %%
-def tiny_checkpoint(folder: Path) -> Path:
-    """A 2-layer Llama with SmolLM2's vocabulary, tokenizer and chat template, random weights."""
-    import transformers
-
-    from minillm.tokenizer.export import save_tokenizer_json
-
-    tok = load_tokenizer()
-    cfg = transformers.LlamaConfig(vocab_size=len(tok.vocab), hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=2048, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
-    save_tokenizer_json(tok, folder / "tokenizer.json")
-    (folder / "chat_template.jinja").write_text(tok.chat_template)
-    return folder
-
+from minillm.bench.serve_overhead import tiny_checkpoint  # a 2-layer Llama with SmolLM2's tokenizer, random weights
 
 WORK = Path(tempfile.mkdtemp(prefix="minillm-nb12-"))
 MODEL = str(embedded_model_path()) if GPU else str(tiny_checkpoint(WORK / "tiny"))
