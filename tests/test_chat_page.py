@@ -7,6 +7,8 @@ more request ended by "abort"). The page needs the API key the server was starte
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -32,7 +34,8 @@ class Page:
     def __init__(self, url: str, profile: str):
         self.proc = subprocess.Popen([_chromium(), *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0",
                                       "--remote-allow-origins=*", url],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)  # its own group: close() stops the helpers too
         active = Path(profile) / "DevToolsActivePort"
         deadline = time.monotonic() + 60
         while not (active.is_file() and active.read_text().count("\n") >= 1):
@@ -51,7 +54,12 @@ class Page:
 
     def close(self):
         self.ws.close()
-        self.proc.kill()
+        # Chromium's renderer, GPU and crashpad helpers can outlive the browser and keep writing into the
+        # profile, so the whole process group goes, and then we wait for the browser itself
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.proc.wait(30)
 
     def call(self, method: str, **params):
@@ -126,7 +134,7 @@ def test_page_is_served_without_cdn(server):
 
 def test_chat_page_streams_and_stops(server):
     auth = {"Authorization": f"Bearer {KEY}"}
-    with tempfile.TemporaryDirectory() as profile:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:  # a late helper's file
         page = Page(f"{server.base}/", profile)
         try:
             page.wait("document.getElementById('model').textContent.includes('API key')")  # 401 shown

@@ -75,7 +75,7 @@ def _env():
 
 @functools.cache
 def _dom(url: str) -> str:
-    with tempfile.TemporaryDirectory() as profile:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         proc = subprocess.run([_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--dump-dom", url],
                               capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
