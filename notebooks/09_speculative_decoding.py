@@ -165,14 +165,16 @@ if nb.on_gpu():
     target = load_model(None, dtype=torch.bfloat16, device=dev)[0]
     ids = {kind: [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True)
                   for t in spec_bench.prompts(kind)] for kind in ("grounded", "open")}
-    layers = [8, 16]
+    layers = [8]
 else:
     target = models["tiny-random"]
     ids = {"grounded": [[(7 * i) % 50 for i in range(12)] * 3], "open": [list(range(100, 130))]}
     layers = [1]
 max_tokens, batch_sizes = nb.pick(cpu=8, gpu=96), nb.pick(cpu=[1], gpu=[1, 8, 64])
 results = []
-for name, spec in spec_bench.configs(nb.pick(cpu=[2], gpu=[2, 4]), layers, None):
+adaptive = ("ngram k=4, off above 16", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                                       "disable_by_batch_size": 16})  # speculation backs off in large batches
+for name, spec in spec_bench.configs(nb.pick(cpu=[2], gpu=[2, 4]), layers, None) + [adaptive]:
     engine = LLMEngine(target, tok, [], EngineConfig(speculative_config=spec, max_num_seqs=64,
                                                      num_gpu_blocks=nb.pick(cpu=256, gpu=None)), progress=False)
     engine.warm_up(max_prompt_len=max(len(x) for v in ids.values() for x in v))
@@ -201,4 +203,16 @@ for ax, kind in zip(axes, ids):
     ax.set(xscale="log", xlabel="batch size", ylabel="speedup over plain decoding", title=f"{kind} prompts")
 axes[0].legend(fontsize=8)
 plt.show()
+
+fig, ax = plt.subplots(figsize=(5, 5))
+spec_rows = [r for r in results if r["config"] != "plain"]
+ax.scatter([r["predicted"] for r in spec_rows], [r["measured"] for r in spec_rows], c=[r["acceptance"] for r in spec_rows])
+top = max(max(r["predicted"], r["measured"]) for r in spec_rows) * 1.1
+ax.plot([0, top], [0, top], color="grey", lw=0.8)
+ax.fill_between([0, top], [0, 0.85 * top], [0, 1.15 * top], color="grey", alpha=0.15, label="within 15 %")
+ax.set(xlabel="predicted speedup", ylabel="measured speedup", title="the cost model against the clock (colour: acceptance)")
+ax.legend()
+plt.show()
+close = sum(abs(r["measured"] / r["predicted"] - 1) <= 0.15 for r in spec_rows)
+print(f"{close} of {len(spec_rows)} measured speedups within 15 % of the prediction")
 print(f"notebook time: {time.perf_counter() - T0:.0f} s")

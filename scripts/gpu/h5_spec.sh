@@ -6,8 +6,7 @@
 #   bash .gpu/h5_spec.sh ngram     bench spec: plain vs ngram k=2,4,8, batch 1/8/64, grounded + open prompts
 #   bash .gpu/h5_spec.sh skip      bench spec: layer_skip L'=8,16 k=2,4 and the embedded model as its own draft
 #   bash .gpu/h5_spec.sh adaptive  bench spec: ngram k=4 with disable_by_batch_size=16 at batch 1/16/64
-#   bash .gpu/h5_spec.sh notebook  notebook 09 and lab 09: .ipynb made from their .py twins (jupytext), run in
-#                                  place; both copied to $OUT (commit them, then the chapter's TODO(gpu))
+#   (notebook 09 and lab 09: scripts/gpu/nb09.sh)
 # Logs and JSON land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/h5-out}; mkdir -p "$OUT"
@@ -27,11 +26,5 @@ case "${1:-tests}" in
     timeout 570 python3 -m minillm bench spec --k 4 --draft-layers --batch-sizes 1 16 64 --max-tokens 128 \
       --disable-by-batch-size 16 --json "$OUT/h5-spec-adaptive.json" 2>&1 | grep -v "it/s\]" \
       | tee "$OUT/h5-spec-adaptive.log" ;;
-  notebook)
-    python3 -m jupytext --to ipynb notebooks/09_speculative_decoding.py notebooks/labs/09_speculative_decoding.py
-    timeout 560 python3 -m minillm.nbrun notebooks/09_speculative_decoding.ipynb \
-      notebooks/labs/09_speculative_decoding.ipynb 2>&1 | tail -30 | tee "$OUT/h5-notebook.log"
-    cp notebooks/09_speculative_decoding.ipynb "$OUT/"
-    cp notebooks/labs/09_speculative_decoding.ipynb "$OUT/lab_09_speculative_decoding.ipynb" ;;
-  *) echo "usage: $0 tests|ngram|skip|adaptive|notebook"; exit 2 ;;
+  *) echo "usage: $0 tests|ngram|skip|adaptive"; exit 2 ;;
 esac
