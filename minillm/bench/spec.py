@@ -13,7 +13,10 @@ only), the acceptance (rate, mean acceptance length tau), and the step costs: t_
 without drafts; t_verify, the forward pass of a step with k + 1 tokens per sequence; t_draft, the
 proposer's time per step; overhead, t_1 minus its forward pass (scheduling, sampling). From those:
 
-    predicted speedup = tau * t_1 / (t_verify + t_draft + overhead)      measured = decode tok/s ratio
+    predicted speedup = n * t_1 / (t_verify + t_draft + overhead)      measured = decode tok/s ratio
+
+with n the tokens a sequence gets per decode step (tau where every sequence drafts; less in a batch where
+the proposer finds nothing for some).
 
 CUDA graphs replay steps with drafts as token-bucket graphs; the draft passes (layer_skip, draft
 model) run eagerly. On a CPU the sizes shrink and the numbers only say that the code runs.
@@ -115,10 +118,11 @@ def serve(engine: LLMEngine, ids: list[list[int]], max_tokens: int, tag: str) ->
         decode = all(s.num_tokens - s.num_computed_tokens == 1 for s in engine.scheduler.running) \
             and not engine.scheduler.waiting and not engine.scheduler.swapped
         log.clear()
+        running = len(engine.scheduler.running)
         tokens, t0 = engine.engine_stats.num_generation_tokens, time.perf_counter()
         engine.step(unfinished_outputs=False)
         steps.append((decode, time.perf_counter() - t0, log.get("execute", 0.0), log.get("propose", 0.0),
-                      engine.engine_stats.num_generation_tokens - tokens))
+                      engine.engine_stats.num_generation_tokens - tokens, running))
     wall = time.perf_counter() - t_start
     del engine.runner.execute  # the timers were instance attributes over the class's methods
     if engine.proposer is not None:
@@ -129,7 +133,9 @@ def serve(engine: LLMEngine, ids: list[list[int]], max_tokens: int, tag: str) ->
             "t_step_ms": 1e3 * statistics.median(s[1] for s in dec),
             "t_exec_ms": 1e3 * statistics.median(s[2] for s in dec),
             "t_draft_ms": 1e3 * statistics.median(s[3] for s in dec), "steps": len(steps),
-            "acceptance": spec.acceptance_rate, "tau": spec.mean_acceptance_length or 1.0}
+            "acceptance": spec.acceptance_rate, "tau": spec.mean_acceptance_length or 1.0,
+            # tokens per sequence per decode step, drafts or not: tau counts only the steps with drafts
+            "tokens_per_seq_step": sum(s[4] for s in dec) / max(1, sum(s[5] for s in dec))}
 
 
 def run(model=None, *, k=(2, 4), draft_layers=(8,), draft_model=None, batch_sizes=None, max_tokens=None,
@@ -158,10 +164,11 @@ def run(model=None, *, k=(2, 4), draft_layers=(8,), draft_model=None, batch_size
     for r in rows:  # against plain decoding of the same prompts and batch size
         base = next(b for b in rows if b["config"] == "plain" and (b["prompts"], b["batch"]) == (r["prompts"], r["batch"]))
         overhead = base["t_step_ms"] - base["t_exec_ms"]
-        r["predicted"] = r["tau"] * base["t_step_ms"] / (r["t_exec_ms"] + r["t_draft_ms"] + overhead)
+        r["predicted"] = (r["tokens_per_seq_step"] / base["tokens_per_seq_step"] * base["t_step_ms"]
+                          / (r["t_exec_ms"] + r["t_draft_ms"] + overhead))
         r["measured"] = r["decode_tok_s"] / base["decode_tok_s"]
-    print_table(rows, ["prompts", "batch", "config", "tok_s", "decode_tok_s", "acceptance", "tau", "t_step_ms",
-                       "t_exec_ms", "t_draft_ms", "predicted", "measured"], title="speculative decoding")
+    print_table(rows, ["prompts", "batch", "config", "tok_s", "decode_tok_s", "acceptance", "tau", "tokens_per_seq_step",
+                       "t_step_ms", "t_exec_ms", "t_draft_ms", "predicted", "measured"], title="speculative decoding")
     result = {**info, "rows": rows}
     if json_path:
         with open(json_path, "w") as f:
