@@ -18,8 +18,8 @@ proposer's time per step; overhead, t_1 minus its forward pass (scheduling, samp
 with n the tokens a sequence gets per decode step (tau where every sequence drafts; less in a batch where
 the proposer finds nothing for some).
 
-CUDA graphs replay steps with drafts as token-bucket graphs; the draft passes (layer_skip, draft
-model) run eagerly. On a CPU the sizes shrink and the numbers only say that the code runs.
+CUDA graphs replay steps with drafts as token-bucket graphs, and the draft passes (layer_skip, draft
+model) as graphs of their own where a captured shape fits. On a CPU the sizes shrink and the numbers only say that the code runs.
 """
 
 from __future__ import annotations
