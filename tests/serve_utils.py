@@ -1,5 +1,6 @@
 """Helpers for the server tests: a tiny chat model, the real `minillm serve` in a subprocess on a free
-port of 127.0.0.1 (every wait bounded), and /metrics read back as numbers."""
+port of 127.0.0.1 (every wait bounded), /metrics read back as numbers, a process's children, and
+engine factories that pickle (an engine core process builds its engine from one) and fail on purpose."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -124,3 +126,74 @@ def parse_metrics(text: str) -> dict[str, float]:
 def total(metrics: dict[str, float], name: str) -> float:
     """Sum of a metric over all its label values."""
     return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
+
+
+def children(pid: int) -> list[int]:
+    """The pids whose parent is pid (an engine core process of a server), from /proc."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, IndexError):
+            if proc.name.isdigit() and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(proc.name))
+    return out
+
+
+def gone(pid: int, timeout: float = 10.0) -> bool:
+    """True once pid has ended (no process, or a zombie nobody reaped yet), within the timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# ---- engine factories for AsyncLLMEngine (module-level, so they pickle into an engine core process) ----
+
+def build_engine(folder: str):
+    from minillm import LLM
+
+    return LLM(folder, device="cpu").engine
+
+
+def engine_factory(folder) -> partial:
+    return partial(build_engine, str(folder))
+
+
+def no_model():
+    raise FileNotFoundError("no model here")
+
+
+def failing_steps(folder: str, fail: tuple[int, ...]):
+    """An engine whose step calls number `fail` (1-based) raise: a bug outside any one request."""
+    engine = build_engine(folder)
+    real, calls = engine.step, iter(range(1, 10**9))
+
+    def step(*args, **kwargs):
+        if next(calls) in fail:
+            raise RuntimeError("injected step failure")
+        return real(*args, **kwargs)
+
+    engine.step = step
+    return engine
+
+
+POISON = 7  # a prompt that holds this token id fails its forward pass (poisoned_forward)
+
+
+def poisoned_forward(folder: str):
+    """An engine whose forward pass raises when a scheduled sequence's prompt holds POISON: a step
+    failure that concerns the requests of that step only."""
+    engine = build_engine(folder)
+    runner, real = engine.runner, engine.runner.execute
+
+    def execute(scheduled, *args, **kwargs):
+        if any(POISON in seq.prompt_ids for seq, *_ in scheduled):
+            raise RuntimeError("injected forward failure")
+        return real(scheduled, *args, **kwargs)
+
+    runner.execute = execute
+    return engine

@@ -2,19 +2,27 @@
 put back together equal LLM.generate's outputs token for token; every request ends exactly once; an
 abort frees the request's blocks; a failing step ends only its requests with finish_reason "error"
 and the engine keeps serving; a bad request is refused before it is queued; shutdown aborts what is
-in flight. Every wait is bounded."""
+in flight. The main ones run twice: the engine core in a thread, and in a process of its own (whose
+death ends every open stream with an error). Every wait is bounded."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import random
+import signal
 import time
+from functools import partial
 
 import pytest
 import torch
-from serve_utils import CONTEXT
+from serve_utils import CONTEXT, engine_factory, failing_steps, no_model
 
 from minillm import LLM, SamplingParams
-from minillm.engine.async_llm_engine import AsyncLLMEngine, EngineNotReady, FinishedStats
+from minillm.engine.async_llm_engine import AsyncLLMEngine, EngineNotReady, FinishedStats, coalesce
+from minillm.outputs import CompletionOutput, RequestOutput
+
+CORES = ["thread", "process"]
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +43,10 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def run(folder, body, timeout: float = 60.0, make=None, on_finished=None):
+def run(folder, body, timeout: float = 60.0, make=None, on_finished=None, core: str = "thread"):
     """Start an AsyncLLMEngine on the folder's model, run `body(engine)` in its loop, shut it down."""
     async def main():
-        engine = AsyncLLMEngine(make or (lambda: LLM(str(folder), device="cpu").engine), on_finished=on_finished)
+        engine = AsyncLLMEngine(make or engine_factory(folder), on_finished=on_finished, engine_core=core)
         engine.start()
         try:
             assert await asyncio.to_thread(engine.wait_ready, timeout)
@@ -64,7 +72,8 @@ async def drain(engine, requests):
     return deltas, text, ids, finished
 
 
-def test_deltas_equal_generate(folder, oracle):
+@pytest.mark.parametrize("core", CORES)
+def test_deltas_equal_generate(folder, oracle, core):
     tok = oracle.tokenizer
     prompts = [tok.encode(p) for p in ["hello there", "the cat", "a b c d e", "one more prompt", "x"]]
     params = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=0.9, seed=7, n=2, max_tokens=10),
@@ -73,7 +82,7 @@ def test_deltas_equal_generate(folder, oracle):
               SamplingParams(temperature=1.0, top_p=0.8, seed=11, max_tokens=8, n=3)]
     want = oracle.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     requests = [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-    _, text, ids, finished = run(folder, lambda engine: drain(engine, requests))
+    _, text, ids, finished = run(folder, lambda engine: drain(engine, requests), core=core)
     assert sorted(finished) == sorted(rid for rid, _, _ in requests)
     for i, w in enumerate(want):
         out = finished[f"r{i}"]
@@ -99,7 +108,8 @@ def test_stop_string_never_streamed(folder, oracle):
     assert deltas[-1].outputs[-1].finish_reason == "stop"
 
 
-def test_abort_frees_blocks_and_engine_goes_on(folder, oracle):
+@pytest.mark.parametrize("core", CORES)
+def test_abort_frees_blocks_and_engine_goes_on(folder, oracle, core):
     prompt = oracle.tokenizer.encode("hello")
     long = SamplingParams(temperature=0, max_tokens=CONTEXT - 10, ignore_eos=True)
 
@@ -118,17 +128,18 @@ def test_abort_frees_blocks_and_engine_goes_on(folder, oracle):
 
     finished_reasons, built = [], []
 
-    def make():
+    def make():  # thread mode: the engine itself is looked at afterwards
         built.append(LLM(str(folder), device="cpu").engine)
         return built[0]
 
-    events, ids, finished = run(folder, body, make=make,
+    events, ids, finished = run(folder, body, make=make if core == "thread" else None, core=core,
                                 on_finished=lambda out: finished_reasons.append(out.metrics.finish_reason))
     assert events[0] >= 1 and finished["next"].finished
     want = oracle.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
     assert ids[("next", 0)] == want[0].outputs[0].token_ids
     assert finished_reasons == ["abort", "length"]
-    assert built[0].block_manager.num_used_blocks == 0 and not built[0].groups
+    if core == "thread":
+        assert built[0].block_manager.num_used_blocks == 0 and not built[0].groups
 
 
 def test_stream_batches_queue_at_once_and_abort_when_dropped_unread(folder, oracle):
@@ -156,26 +167,17 @@ def test_stream_batches_queue_at_once_and_abort_when_dropped_unread(folder, orac
     assert batches[-1][-1].finished and sum(len(d.outputs[0].token_ids) for b in batches for d in b) == 3
 
 
-def test_failed_step_ends_only_its_request(folder, oracle):
+@pytest.mark.parametrize("core", CORES)
+def test_failed_step_ends_only_its_request(folder, oracle, core):
     prompt = oracle.tokenizer.encode("the cat")
     params = SamplingParams(temperature=0, max_tokens=6)
 
-    async def body(engine):
-        real_step = engine.engine.step
-        calls = {"n": 0}
-
-        def broken_step(*args, **kwargs):  # a bug outside any one request: the async engine's own guard
-            calls["n"] += 1
-            if calls["n"] == 2:
-                raise RuntimeError("injected step failure")
-            return real_step(*args, **kwargs)
-
-        engine.engine.step = broken_step
+    async def body(engine):  # the engine's second step raises (a bug outside any one request)
         _, _, _, first = await drain(engine, [("a", prompt, params), ("b", prompt, params)])
         _, _, ids, second = await drain(engine, [("c", prompt, params)])
-        return first, ids, second, engine.engine.block_manager.num_used_blocks
+        return first, ids, second, engine.load.used_blocks
 
-    first, ids, second, used = run(folder, body)
+    first, ids, second, used = run(folder, body, make=partial(failing_steps, str(folder), (2,)), core=core)
     for rid in "ab":
         assert first[rid].outputs[-1].finish_reason == "error"
         assert "injected step failure" in first[rid].error
@@ -184,7 +186,8 @@ def test_failed_step_ends_only_its_request(folder, oracle):
     assert ids[("c", 0)] == want
 
 
-def test_bad_requests_refused_before_queueing(folder):
+@pytest.mark.parametrize("core", CORES)
+def test_bad_requests_refused_before_queueing(folder, core):
     async def body(engine):
         with pytest.raises(ValueError, match="outside the vocabulary"):
             engine.check("x", {"prompt_token_ids": [10**6]}, SamplingParams())
@@ -196,17 +199,14 @@ def test_bad_requests_refused_before_queueing(folder):
         _, _, _, finished = await drain(engine, [("ok", [1, 2, 3], SamplingParams(max_tokens=3))])
         return finished
 
-    assert run(folder, body)["ok"].finished
+    assert run(folder, body, core=core)["ok"].finished
 
 
-def test_not_ready_load_error_and_shutdown(folder):
+@pytest.mark.parametrize("core", CORES)
+def test_not_ready_load_error_and_shutdown(folder, core):
     async def main():
         dead = asyncio.Event()
-
-        def fail():
-            raise FileNotFoundError("no model here")
-
-        broken = AsyncLLMEngine(fail)
+        broken = AsyncLLMEngine(no_model, engine_core=core)
         with pytest.raises(EngineNotReady, match="loading"):
             broken.check_ready()
         broken.start(on_dead=dead.set)
@@ -215,7 +215,7 @@ def test_not_ready_load_error_and_shutdown(folder):
         with pytest.raises(EngineNotReady, match="no model here"):
             broken.add_request("a", [1], SamplingParams())
 
-        engine = AsyncLLMEngine(lambda: LLM(str(folder), device="cpu").engine)
+        engine = AsyncLLMEngine(engine_factory(folder), engine_core=core)
         engine.start()
         assert await asyncio.to_thread(engine.wait_ready, 60) and engine.ready
         stream = engine.generate("long", [1, 2], SamplingParams(max_tokens=CONTEXT - 10, ignore_eos=True))
@@ -223,8 +223,84 @@ def test_not_ready_load_error_and_shutdown(folder):
         await asyncio.wait_for(engine.shutdown(10), 30)  # aborts what is in flight
         rest = [d async for d in stream]
         assert rest[-1].finished and rest[-1].outputs[-1].finish_reason == "abort"
-        assert not engine._thread.is_alive() and not engine.ready
+        assert not engine.core.alive and not engine.ready
         with pytest.raises(EngineNotReady, match="shutting down"):
             engine.add_request("b", [1], SamplingParams())
+        return engine, broken
+
+    engine, broken = asyncio.run(main())
+    if core == "process":  # both children ended on their own, and were reaped
+        assert engine.core.proc.exitcode == 0 and broken.core.proc.exitcode == 0
+
+
+def test_process_mode_needs_a_factory_that_pickles(folder):
+    with pytest.raises(TypeError, match="engine_core='process' sends make_engine to a child process"):
+        AsyncLLMEngine(lambda: LLM(str(folder), device="cpu").engine, engine_core="process")
+    with pytest.raises(ValueError, match="engine_core must be one of thread, process, not 'fork'"):
+        AsyncLLMEngine(engine_factory(folder), engine_core="fork")
+
+
+def test_core_process_death_ends_streams_with_an_error(folder):
+    """The engine core process is killed mid-stream: the stream ends with finish_reason "error",
+    on_dead is called, the engine says why it is not serving, and new requests are refused."""
+    async def main():
+        dead = asyncio.Event()
+        engine = AsyncLLMEngine(engine_factory(folder), engine_core="process")
+        engine.start(on_dead=dead.set)
+        try:
+            assert await asyncio.to_thread(engine.wait_ready, 60)
+            stream = engine.generate("long", [1, 2], SamplingParams(max_tokens=CONTEXT - 10, ignore_eos=True))
+            await stream.__anext__()
+            os.kill(engine.core.proc.pid, signal.SIGKILL)
+            rest = await asyncio.wait_for(_all(stream), 30)
+            await asyncio.wait_for(dead.wait(), 30)
+            assert rest[-1].finished and rest[-1].outputs[-1].finish_reason == "error"
+            assert "exited with code -9" in rest[-1].error and not engine.ready
+            with pytest.raises(EngineNotReady, match="exited with code -9"):
+                engine.check_ready()
+            assert engine.core.proc.exitcode == -signal.SIGKILL
+        finally:
+            await asyncio.wait_for(engine.shutdown(10), 30)
 
     asyncio.run(main())
+
+
+async def _all(stream):
+    return [d async for d in stream]
+
+
+def test_coalesce_keeps_every_stream(seed):
+    """Random deltas of random requests and choices, coalesced over random windows (a reader that
+    fell behind), put back together equal the deltas put back together one by one."""
+    rng = random.Random(seed)
+    deltas = []
+    for step in range(40):
+        for rid in rng.sample(["a", "b", "c"], rng.randint(1, 3)):
+            outs = [CompletionOutput(i, rng.choice(["x", "yz", "", " é"]), [rng.randrange(100)],
+                                     logprobs=[{step: step}] if rid == "c" else None)
+                    for i in sorted(rng.sample(range(3), rng.randint(1, 3)))]
+            deltas.append(RequestOutput(rid, None, [1], outs, finished=False))
+    deltas[-1].finished, deltas[-1].outputs[-1].finish_reason = True, "length"
+
+    def put_together(batches):
+        text, ids, lps, ends = {}, {}, {}, {}
+        for batch in batches:
+            assert len({d.request_id for d in batch}) == len(batch)
+            for d in batch:
+                ends[d.request_id] = d.finished
+                for o in d.outputs:
+                    key = (d.request_id, o.index)
+                    text[key] = text.get(key, "") + o.text
+                    ids[key] = ids.get(key, []) + o.token_ids
+                    lps[key] = lps.get(key, []) + (o.logprobs or [])
+                    if o.finish_reason:
+                        ends[key] = o.finish_reason
+        return text, ids, lps, ends
+
+    windows, i = [], 0
+    while i < len(deltas):
+        n = rng.randint(1, 12)
+        windows.append(coalesce(deltas[i : i + n]))
+        i += n
+    assert put_together(windows) == put_together([[d] for d in deltas])
+    assert sum(map(len, windows)) < len(deltas)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import math
 import os
 import shlex
@@ -152,18 +153,32 @@ def measure(model: str | None, device: str, num_prompts: int, input_len: tuple[i
                 served_tps=s["output_throughput"], offline_s=offline_s, offline_tps=tokens / offline_s,
                 ratio=s["output_throughput"] * offline_s / tokens, median_tpot_ms=s["median_tpot_ms"],
                 served_steps=steps, offline_steps=offline_steps, offline_cpu_s=offline_cpu,
-                loop_cpu_s=cpu["loop"], other_cpu_s=cpu["other"])
+                loop_cpu_s=cpu["loop"], other_cpu_s=cpu["other"], core_cpu_s=cpu["core"])
 
 
 def _cpu_seconds(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of the server's main thread (the event loop) and of its other
-    threads (the engine's, tokenizing workers'), from /proc: less noisy than wall time on a busy machine."""
-    tick, out = os.sysconf("SC_CLK_TCK"), {"loop": 0.0, "other": 0.0}
+    """CPU seconds (user + system) of the server's main thread (the event loop), of its other threads
+    (the engine's in thread mode, tokenizing workers') and of its child processes (the engine core in
+    process mode), from /proc: less noisy than wall time on a busy machine."""
+    out = {"loop": 0.0, "other": 0.0, "core": 0.0}
     for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            fields = Path(task, "stat").read_text().rsplit(")", 1)[1].split()
-            out["loop" if int(task.name) == pid else "other"] += (int(fields[11]) + int(fields[12])) / tick
+        out["loop" if int(task.name) == pid else "other"] += _proc_cpu(task / "stat")
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and _stat_fields(proc / "stat")[1:2] == [str(pid)]:  # its parent is the server
+            out["core"] += _proc_cpu(proc / "stat")
     return out
+
+
+def _stat_fields(path: Path) -> list[str]:
+    """/proc/.../stat after the command name: [state, ppid, ...]; [] if it is gone."""
+    with contextlib.suppress(OSError):
+        return path.read_text().rsplit(")", 1)[1].split()
+    return []
+
+
+def _proc_cpu(path: Path) -> float:
+    fields = _stat_fields(path)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
 
 
 def _engine_steps(base: str) -> float:
@@ -172,6 +187,17 @@ def _engine_steps(base: str) -> float:
         if line.startswith("minillm_engine_steps_total "):
             return float(line.split()[1])
     raise RuntimeError("/metrics has no minillm_engine_steps_total")
+
+
+def _report(r: dict, core: str) -> None:
+    print(f"engine core {core}: {r['requests']} requests, {r['output_tokens']} output tokens: served "
+          f"{r['served_tps']:,.0f} tok/s ({r['served_s']:.2f} s, TPOT p50 {r['median_tpot_ms']:.2f} ms), offline "
+          f"{r['offline_tps']:,.0f} tok/s ({r['offline_s']:.2f} s): server / offline {100 * r['ratio']:.0f} %; engine "
+          f"steps {r['served_steps']:.0f} served, {r['offline_steps']} offline", flush=True)
+    k = 1e6 / r["output_tokens"]  # CPU seconds -> ms per 1000 output tokens
+    print(f"  CPU ms per 1000 output tokens: server event loop {k * r['loop_cpu_s']:.0f} + other threads (the "
+          f"engine's in thread mode) {k * r['other_cpu_s']:.0f} + engine core process {k * r['core_cpu_s']:.0f}; "
+          f"offline {k * r['offline_cpu_s']:.0f}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--input-len", type=int, nargs=2, default=(4, 16), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(48, 64), metavar=("MIN", "MAX"))
+    p.add_argument("--engine-core", nargs="+", choices=["thread", "process"], default=["thread"],
+                   help="measure the server with its engine core here (one after the other when several)")
+    p.add_argument("--json", type=Path, default=None, help="write every measurement here as a JSON list")
     p.add_argument("--repeat", type=int, default=1, help="measure this many times (a loaded machine is noisy)")
     p.add_argument("--profile", type=Path, default=None, help="a folder: profile the server with yappi there")
     args = p.parse_args(argv)
@@ -191,17 +220,15 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or (str(tiny_checkpoint(work / "tiny")) if args.device == "cpu" else None)
         if args.profile is not None:
             args.profile.mkdir(parents=True, exist_ok=True)
+        results = []
         for _ in range(args.repeat):
-            r = measure(model, args.device, args.num_prompts, tuple(args.input_len), tuple(args.output_len), work,
-                        args.profile, shlex.split(args.serve_args))
-            print(f"{r['requests']} requests, {r['output_tokens']} output tokens: served {r['served_tps']:,.0f} tok/s "
-                  f"({r['served_s']:.2f} s, TPOT p50 {r['median_tpot_ms']:.2f} ms), offline {r['offline_tps']:,.0f} "
-                  f"tok/s ({r['offline_s']:.2f} s): server / offline {100 * r['ratio']:.0f} %; engine steps "
-                  f"{r['served_steps']:.0f} served, {r['offline_steps']} offline", flush=True)
-            k = 1000 / r["output_tokens"]
-            print(f"  CPU ms per 1000 output tokens: server event loop {k * 1e3 * r['loop_cpu_s']:.0f} + engine and "
-                  f"other threads {k * 1e3 * r['other_cpu_s']:.0f}; offline {k * 1e3 * r['offline_cpu_s']:.0f}",
-                  flush=True)
+            for core in args.engine_core:
+                r = measure(model, args.device, args.num_prompts, tuple(args.input_len), tuple(args.output_len),
+                            work, args.profile, ["--engine-core", core, *shlex.split(args.serve_args)])
+                results.append(dict(engine_core=core, **r))
+                _report(r, core)
+                if args.json is not None:
+                    args.json.write_text(json.dumps(results, indent=1))
     return 0
 
 

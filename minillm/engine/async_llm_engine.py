@@ -1,53 +1,51 @@
 """AsyncLLMEngine: LLMEngine behind an asyncio front, for the HTTP server (chapter 12).
 
-    engine = AsyncLLMEngine(lambda: LLM("model/").engine)     # built and warmed up in its own thread
+    engine = AsyncLLMEngine(partial(build, "model/"))        # built and warmed up off the event loop
     engine.start()                                            # inside the server's running event loop
     async for out in engine.generate("r1", ids, SamplingParams(max_tokens=8)):
         print(out.outputs[0].text, end="")                    # deltas: only what is new
 
-One thread owns the engine. It builds it, warms it up, and then loops: take what the event loop
-sent (new requests, aborts), step the engine while anyone has work, and hand each request's new
-tokens back. Nothing else touches the engine; the two sides meet in two places only:
+The engine core (engine_core.py) owns the engine: it builds it, warms it up, and then loops: take
+what the event loop sent (new requests, aborts), step the engine while anyone has work, and hand
+every request's new tokens back, once per step. Nothing else touches the engine. It runs where
+`engine_core` says (core_client.py):
 
-    event loop -> engine thread   a queue.Queue of commands ("add", "abort", "stop")
-    engine thread -> event loop   loop.call_soon_threadsafe, once per step, with every request's
-                                  delta; each request reads its own asyncio.Queue
+    "thread"    a thread of this process; commands through a queue.Queue, deltas back through
+                loop.call_soon_threadsafe, once per step
+    "process"   a child process of its own (vLLM V1's EngineCore / AsyncLLM split); commands and
+                deltas through pipes, one message per loop pass in and one per step out
 
-Why a thread and not an asyncio task in the server's loop: a step is a forward pass, milliseconds
-on a GPU and up to seconds on a CPU, and it does not yield. Run in the loop, it would freeze every
-connection while it runs: no SSE chunk would leave, no new request would be read, no disconnect
-noticed. In a thread, the loop keeps serving HTTP while the step runs (PyTorch lets go of the GIL
-inside its kernels and while it waits for the GPU). vLLM went further and moved its engine core into
-another process; one thread is the smallest design that keeps the loop free.
+Why not an asyncio task in the server's loop: a step is a forward pass, milliseconds on a GPU and
+up to seconds on a CPU, and it does not yield; run in the loop, it would freeze every connection.
+A thread keeps the loop free, but shares its GIL: while the loop writes SSE chunks the engine cannot
+step. A process has a GIL of its own, at the price of pickling each step's deltas across a pipe.
 
-Each request's stream carries RequestOutputs in delta form (vLLM's RequestOutputKind.DELTA): every
-CompletionOutput holds only the text, token ids and logprobs that are new since the last one.
-Text comes from Sequence.stream_delta, which holds back what could still be the start of a stop
-string, so a stop string never reaches a client. The last output of a request has finished=True and,
-as its `metrics`, a FinishedStats. A request whose step failed ends with finish_reason "error" and
-RequestOutput.error; an aborted one (its client went away) with "abort", its blocks freed in the
-engine thread before the next step.
+Each request's stream carries RequestOutputs in delta form; a reader that fell behind gets several
+steps' deltas merged into one (`coalesce`), so under load the server writes fewer, larger chunks.
 
 `check` (LLMEngine.check_request) runs on the caller's thread so a bad request is refused before it
 is queued, with an HTTP status rather than a broken stream. It reads only what is fixed once the
-engine is built (the tokenizer, the vocabulary, the context and the pool size); the request id it
-checks for uniqueness is the caller's own, and the caller makes ids unique.
+engine is built (the tokenizer, the vocabulary, the context and the pool size: in process mode an
+EngineView of them); the request id it checks for uniqueness is the caller's own, and the caller
+makes ids unique.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
+import pickle
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing
-from dataclasses import dataclass
 
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling import SamplingParams
-from ..sequence import SequenceStatus
+from .core_client import ENGINE_CORES, InprocCore, ProcCore
+from .engine_core import EngineLoad, FinishedStats, failed_output
+
+__all__ = ["AsyncLLMEngine", "EngineLoad", "EngineNotReady", "FinishedStats", "RequestStream", "coalesce"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,104 +54,49 @@ class EngineNotReady(RuntimeError):
     """The engine is still loading, failed to load, or is shutting down: try again later (503)."""
 
 
-@dataclass(frozen=True)
-class FinishedStats:
-    """How one request went, in time.perf_counter() seconds: the final output's `metrics`."""
-
-    arrival_time: float  # when the caller handed it in
-    first_token_time: float | None  # None: it ended before its first token
-    finished_time: float
-    num_prompt_tokens: int
-    output_lens: tuple[int, ...]  # tokens of each of its n completions
-    finish_reason: str  # of the request: "error" or "abort" if any completion ended so, else completion 0's
-    scheduled_time: float | None = None  # when the first engine step that ran it began (queue wait ends)
-
-    @property
-    def num_generation_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """What the engine holds right now, published by its thread after every step (for /metrics)."""
-
-    running: int = 0  # requests with a sequence in the running batch
-    waiting: int = 0  # requests held with no sequence running: not started yet, or preempted
-    used_blocks: int = 0  # KV blocks held by sequences
-    num_blocks: int = 0  # KV blocks in the pool (block 0, reserved, not counted)
-    stats: dict | None = None  # engine.engine_stats.as_dict(): preemptions, steps, tokens
-
-
-class _Tracked:
-    """The engine thread's view of one request: its sequences and how much of each was sent."""
-
-    def __init__(self, group, arrival: float):
-        self.group, self.arrival = group, arrival
-        self.scheduled: float | None = None  # the start of the first step that ran it
-        self.sent = [0] * len(group.seqs)  # output tokens already handed out, per sequence
-        self.done = [False] * len(group.seqs)
-
-    def delta(self) -> RequestOutput | None:
-        outs = []
-        for i, seq in enumerate(self.group.seqs):
-            if self.done[i]:
-                continue
-            n, start = len(seq.output_ids), self.sent[i]
-            text = seq.stream_delta()
-            if n == start and not seq.finished and not text:
-                continue
-            logprobs = seq.logprobs[start:n] if seq.logprobs is not None else None
-            self.sent[i], self.done[i] = n, seq.finished
-            outs.append(CompletionOutput(seq.index, text, seq.output_ids[start:n],
-                                         seq.cumulative_logprob if logprobs is not None else None, logprobs,
-                                         seq.finish_reason, seq.stop_reason))
-        if not outs:
-            return None
-        finished = all(self.done)
-        return RequestOutput(self.group.request_id, None, self.group.prompt_ids, outs, finished=finished,
-                             metrics=self.stats() if finished else None, error=self.group.error)
-
-    def stats(self) -> FinishedStats:
-        seqs, m = self.group.seqs, self.group.metrics
-        reasons = [s.finish_reason for s in seqs]
-        reason = next((r for r in ("error", "abort") if r in reasons), reasons[0])
-        return FinishedStats(self.arrival, m.first_token_time, time.perf_counter(), len(self.group.prompt_ids),
-                             tuple(len(s.output_ids) for s in seqs), reason, self.scheduled)
-
-
 class AsyncLLMEngine:
     def __init__(self, make_engine: Callable[[], object], warm_up: bool | str = "auto",
-                 on_finished: Callable[[RequestOutput], None] | None = None):
-        """make_engine builds the LLMEngine (it runs in the engine thread). warm_up: True, False, or
+                 on_finished: Callable[[RequestOutput], None] | None = None, engine_core: str = "thread"):
+        """make_engine builds the LLMEngine (where the core runs: in process mode it is pickled to the
+        child, so a module-level function or a functools.partial of one). warm_up: True, False, or
         "auto" = on a GPU only (where Triton compiles and CUDA graphs are captured; a CPU has neither).
         on_finished is called on the event loop with every request's final output, whoever reads its
-        stream (the server counts its metrics there)."""
-        self._make_engine, self._warm_up, self.on_finished = make_engine, warm_up, on_finished
-        self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, asyncio.Queue] = {}  # event loop side only
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self.engine = None  # set by the engine thread; read here only for its fixed parts
+        stream (the server counts its metrics there). engine_core: "thread" or "process"."""
+        if engine_core not in ENGINE_CORES:
+            raise ValueError(f"engine_core must be one of {', '.join(ENGINE_CORES)}, not {engine_core!r}")
+        if engine_core == "process":
+            try:
+                pickle.dumps(make_engine)
+            except Exception as e:
+                raise TypeError(f"engine_core='process' sends make_engine to a child process, so it must pickle "
+                                f"(a module-level function or a functools.partial of one), not {make_engine!r}: "
+                                f"{e}") from None
+        self.make_engine, self.warm_up, self.on_finished = make_engine, warm_up, on_finished
+        self.engine_core = engine_core
+        self.core = (ProcCore if engine_core == "process" else InprocCore)(self)
+        self._streams: dict[str, tuple[asyncio.Queue, list[int], float]] = {}  # event loop side only
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.ready_event = threading.Event()
+        self.engine = None  # the LLMEngine (thread) or an EngineView (process): read here for its fixed parts
         self.load_error: str | None = None  # why building the engine failed
-        self.dead: str | None = None  # why the engine thread stopped serving
+        self.dead: str | None = None  # why the engine core stopped serving
         self.accepting = True  # False once shutdown began
         self.load = EngineLoad()
         self.warm_up_seconds: float | None = None
+        self._on_dead: Callable[[], None] | None = None
 
     # ---- the event loop's side -------------------------------------------------------------------
 
     def start(self, on_dead: Callable[[], None] | None = None) -> None:
-        """Start the engine thread (call from the running event loop). on_dead is called on the loop
-        if the engine cannot be built or its thread stops for good."""
-        self._loop = asyncio.get_running_loop()
+        """Start the engine core (call from the running event loop). on_dead is called on the loop
+        if the engine cannot be built or its core stops for good."""
+        self.loop = asyncio.get_running_loop()
         self._on_dead = on_dead
-        self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
-        self._thread.start()
+        self.core.start()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until the engine thread has built the engine (or failed to); False on timeout."""
-        return self._ready.wait(timeout)
+        """Block until the core has built the engine (or failed to); False on timeout."""
+        return self.ready_event.wait(timeout)
 
     @property
     def ready(self) -> bool:
@@ -175,15 +118,16 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         out = asyncio.Queue() if out is None else out
-        self._streams[request_id] = out
-        self._commands.put(("add", request_id, prompt_ids, params, time.perf_counter()))
+        arrival = time.perf_counter()
+        self._streams[request_id] = (out, prompt_ids, arrival)
+        self.core.send(("add", request_id, prompt_ids, params, arrival))
         return out
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests (their client is gone); their blocks are freed before the next step."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         if ids:
-            self._commands.put(("abort", ids))
+            self.core.send(("abort", ids))
 
     async def stream(self, requests: list[tuple[str, list[int], SamplingParams]]) -> AsyncIterator[RequestOutput]:
         """Add requests and yield their deltas as they come, until all have finished. Whoever stops
@@ -208,27 +152,32 @@ class AsyncLLMEngine:
         self.abort(list(self._streams))
 
     async def shutdown(self, timeout: float = 30.0) -> None:
-        """Refuse new requests, abort those in flight, stop the thread and free the engine's memory."""
+        """Refuse new requests, abort those in flight, stop the core and free the engine's memory."""
         self.accepting = False
         self.abort_all()
-        self._commands.put(("stop",))
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, timeout)
+        self.core.send(("stop", False))
+        await self.core.join(timeout)
 
     def check_ready(self) -> None:
         if not self.accepting:
             raise EngineNotReady("the server is shutting down")
         if self.dead is not None or self.load_error is not None:
             raise EngineNotReady(f"the engine is not serving: {self.dead or self.load_error}")
-        if not self._ready.is_set():
+        if not self.ready_event.is_set() or self.engine is None:
             raise EngineNotReady("the model is still loading; try again shortly (GET /health says when)")
 
-    def _deliver(self, batch: list[RequestOutput]) -> None:
-        """On the event loop: hand one step's deltas to their streams."""
+    # ---- called by the core client (core_client.py) ----------------------------------------------
+
+    def prompt_ids(self, request_id: str) -> list[int] | None:
+        entry = self._streams.get(request_id)
+        return entry[1] if entry is not None else None
+
+    def deliver(self, batch: list[RequestOutput]) -> None:
+        """On the event loop: hand one step's deltas (or several steps') to their streams."""
         for delta in batch:
-            stream = self._streams.get(delta.request_id)
-            if stream is not None:
-                stream.put_nowait(delta)
+            entry = self._streams.get(delta.request_id)
+            if entry is not None:
+                entry[0].put_nowait(delta)
             if delta.finished:
                 self._streams.pop(delta.request_id, None)
                 if self.on_finished is not None:
@@ -237,123 +186,35 @@ class AsyncLLMEngine:
                     except Exception:  # a metrics bug must not stop the deliveries
                         logger.exception("on_finished failed")
 
-    def _call_soon(self, fn, *args) -> None:
+    def load_failed(self, reason: str) -> None:
+        """Any thread: the engine could not be built."""
+        self.load_error = reason
+        self.ready_event.set()
+        if self._on_dead is not None:
+            self.call_soon(self._on_dead)
+
+    def core_ended(self, reason: str) -> None:
+        """On the loop: the core stopped for good (it failed, or its process died). Every stream still
+        open ends with the error; then on_dead."""
+        self.dead = self.dead or reason
+        self.deliver([failed_output(rid, ids, self.dead, arrival) for rid, (_, ids, arrival) in self._streams.items()])
+        if self._on_dead is not None:
+            self._on_dead()
+
+    def call_soon(self, fn, *args) -> None:
+        """fn(*args) on the event loop, from any thread."""
         try:
-            self._loop.call_soon_threadsafe(fn, *args)
+            self.loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
-
-    # ---- the engine thread -----------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            self.engine = self._make_engine()
-            if self._warm_up is True or (self._warm_up == "auto" and self.engine.sizes.device.type == "cuda"):
-                self.warm_up_seconds = self.engine.warm_up()
-        except Exception as e:
-            logger.exception("building the engine failed")
-            self.load_error = f"{type(e).__name__}: {e}"
-            self._stopped()
-            return
-        self._ready.set()
-        tracked: dict[str, _Tracked] = {}
-        try:
-            self._serve(tracked)
-        except Exception as e:  # a bug outside any one request's step: nothing can be trusted now
-            logger.exception("the engine thread failed")
-            self.dead = f"{type(e).__name__}: {e}"
-            for tr in tracked.values():
-                tr.group.error = tr.group.error or self.dead
-                for s in tr.group.seqs:
-                    s.finish_reason = s.finish_reason or "error"
-            try:
-                self._publish(tracked)  # every stream ends, with the error
-            finally:
-                self._stopped()
-            return
-        self.engine.shutdown()
-
-    def _stopped(self) -> None:
-        self._ready.set()
-        if self._on_dead is not None:
-            self._call_soon(self._on_dead)
-
-    def _serve(self, tracked: dict[str, _Tracked]) -> None:
-        engine = self.engine
-        stopping = False
-        while not (stopping and not tracked):
-            busy = engine.has_unfinished_requests()
-            commands = [self._commands.get()] if not busy else []  # idle: sleep until someone asks
-            while True:
-                try:
-                    commands.append(self._commands.get_nowait())
-                except queue.Empty:
-                    break
-            for cmd in commands:
-                stopping |= self._apply(cmd, tracked)
-            if engine.has_unfinished_requests():
-                began = time.perf_counter()
-                try:
-                    engine.step(unfinished_outputs=False)  # outputs are read off the sequences below
-                except Exception as e:  # LLMEngine.step ends failing requests itself; this is worse
-                    logger.exception("engine step failed; ending the requests in flight")
-                    self._fail_all(tracked, e)
-                for tr in tracked.values():  # who ran for the first time (the step stamps it after its forward)
-                    if tr.scheduled is None and tr.group.metrics.first_scheduled_time is not None:
-                        tr.scheduled = began
-            self._publish(tracked)
-
-    def _apply(self, cmd: tuple, tracked: dict[str, _Tracked]) -> bool:
-        """Run one command from the event loop; True for "stop"."""
-        engine = self.engine
-        if cmd[0] == "add":
-            _, rid, ids, params, arrival = cmd
-            try:
-                engine.add_request(rid, {"prompt_token_ids": ids}, params)
-            except Exception as e:  # checked before queueing, so this is a race or a bug: end it cleanly
-                self._call_soon(self._deliver, [_failed_output(rid, ids, e, arrival)])
-                return False
-            tracked[rid] = _Tracked(engine.groups[rid], arrival)
-        elif cmd[0] == "abort":
-            engine.abort_request([r for r in cmd[1] if r in tracked])  # marks them "abort", frees blocks
-        elif cmd[0] == "stop":
-            return True
-        return False
-
-    def _fail_all(self, tracked: dict[str, _Tracked], error: Exception) -> None:
-        for rid, tr in tracked.items():
-            tr.group.error = tr.group.error or f"{type(error).__name__}: {error}"
-            unfinished = [s for s in tr.group.seqs if not s.finished]
-            self.engine.abort_request(rid)  # frees their blocks, marks them "abort"
-            for s in unfinished:
-                s.finish_reason = "error"
-
-    def _publish(self, tracked: dict[str, _Tracked]) -> None:
-        """Send every request's delta to the event loop in one call, and refresh the load figures."""
-        batch, running, waiting = [], 0, 0
-        for rid, tr in list(tracked.items()):
-            delta = tr.delta()
-            if delta is not None:
-                batch.append(delta)
-                if delta.finished:
-                    del tracked[rid]
-                    continue
-            if any(s.status is SequenceStatus.RUNNING for s in tr.group.seqs):
-                running += 1
-            else:
-                waiting += 1
-        bm = self.engine.block_manager  # the load first: a client that sees a delta sees its step's load
-        self.load = EngineLoad(running, waiting, bm.num_used_blocks, bm.num_blocks - 1,
-                               self.engine.engine_stats.as_dict())
-        if batch:
-            self._call_soon(self._deliver, batch)
 
 
 class RequestStream:
     """The deltas of some requests, as lists: every delta that has arrived by the time the reader
     asks. A reader that keeps up gets one step's deltas per list; one that fell behind (the event
-    loop was busy) gets several steps' at once, and the server writes them to the socket in one go,
-    so under load the loop's cost per token falls instead of the backlog growing.
+    loop was busy) gets several steps' at once, coalesced to one delta per request, and the server
+    writes them as one SSE event per choice: under load the loop's cost per token falls instead of
+    the backlog growing.
 
     The requests are added when it is made. Closing it (aclose(), or the reader cancelled while it
     waits), or dropping it unread (a response whose client left before its body began), aborts the
@@ -385,22 +246,39 @@ class RequestStream:
         for delta in batch:
             if delta.finished:
                 self.pending.discard(delta.request_id)
-        return batch
+        return coalesce(batch) if len(batch) > 1 else batch
 
     async def aclose(self) -> None:
         self.close()
 
     def close(self) -> None:
         if self.pending:
-            self._engine.abort(self.pending)  # a put on a thread-safe queue: safe from __del__ too
+            self._engine.abort(self.pending)  # thread-safe (core_client.py): safe from __del__ too
             self.pending = set()
 
     def __del__(self):
         self.close()
 
 
-def _failed_output(rid: str, ids: list[int], error: Exception, arrival: float) -> RequestOutput:
-    now = time.perf_counter()
-    return RequestOutput(rid, None, ids, [CompletionOutput(0, "", [], finish_reason="error")],
-                         metrics=FinishedStats(arrival, None, now, len(ids), (0,), "error"),
-                         error=f"{type(error).__name__}: {error}")
+def coalesce(batch: list[RequestOutput]) -> list[RequestOutput]:
+    """Deltas in step order -> one per request, in order of first appearance: each completion's
+    text, token ids and logprobs joined, its finish and the request's end taken from the last (vLLM's
+    stream_interval, applied only when the reader is behind). Put back together, the stream is
+    the same."""
+    merged: dict[str, RequestOutput] = {}
+    for d in batch:
+        m = merged.get(d.request_id)
+        merged[d.request_id] = d if m is None else _merge(m, d)
+    return list(merged.values())
+
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    outs = {o.index: o for o in a.outputs}
+    for o in b.outputs:
+        p = outs.get(o.index)
+        outs[o.index] = o if p is None else CompletionOutput(
+            o.index, p.text + o.text, p.token_ids + o.token_ids, o.cumulative_logprob,
+            p.logprobs + o.logprobs if p.logprobs is not None and o.logprobs is not None else o.logprobs or p.logprobs,
+            o.finish_reason, o.stop_reason)
+    return RequestOutput(b.request_id, b.prompt, b.prompt_token_ids, list(outs.values()), finished=b.finished,
+                         metrics=b.metrics or a.metrics, error=b.error or a.error)

@@ -36,6 +36,7 @@ import sys
 import time
 from collections import OrderedDict
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import uvicorn
@@ -268,9 +269,8 @@ class _Server(uvicorn.Server):
 def run_server(args) -> int:
     """`minillm serve`: build the app, serve until SIGTERM/Ctrl-C. -> exit status (ValueError: no engine)."""
     from ...engine import EngineConfig
-    from ...llm import LLM
     from ...model_files import embedded_model_path
-    from .cli_args import engine_kwargs
+    from .cli_args import build_llm_engine, engine_kwargs
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.switch_interval_ms is not None:  # how long a thread may hold the GIL while the other waits
@@ -279,11 +279,8 @@ def run_server(args) -> int:
     model_name = args.served_model_name or args.model or embedded_model_path().stem
     EngineConfig(**engine_kwargs(args))  # a bad engine flag: exit 2 now, before the port opens
     llm_args = dict(model=args.model, dtype=args.dtype, device=args.device, **engine_kwargs(args))
-    if getattr(args, "quantization", None) is not None:  # chapter 08: a name, NAME:opts or a saved folder
-        from ...quantize import parse_quantization
-
-        llm_args["quantization"] = parse_quantization(args.quantization)
-    engine = AsyncLLMEngine(lambda: LLM(**llm_args).engine, warm_up=False if args.no_warm_up else "auto")
+    make = partial(build_llm_engine, llm_args, getattr(args, "quantization", None))
+    engine = AsyncLLMEngine(make, warm_up=False if args.no_warm_up else "auto", engine_core=args.engine_core)
     app = build_app(engine, model_name, api_key, args.max_request_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=not args.no_access_log, timeout_graceful_shutdown=args.shutdown_grace + 5)

@@ -64,6 +64,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--switch-interval-ms", type=_positive_ms, default=None,
                    help="Python's GIL switch interval in ms (default: Python's, 5): the engine thread and the "
                    "event loop share the GIL, and a thread back from the GPU may wait this long for it")
+    p.add_argument("--engine-core", choices=["thread", "process"], default="thread",
+                   help="where the engine runs: a thread of the server's process (one GIL with the HTTP loop), or "
+                   "a process of its own (vLLM V1's EngineCore: the step and the HTTP work run at once)")
     p.add_argument("--quantization", default=None, help="weights in fewer bits: int8, int4, awq, gptq "
                    "(NAME:key=value,... for options), or a folder written by `minillm quantize`")
     g = p.add_argument_group("engine")
@@ -77,3 +80,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     if args.enforce_eager:
         kwargs["enforce_eager"] = True
     return kwargs
+
+
+def build_llm_engine(llm_args: dict, quantization: str | None = None):
+    """The server's LLMEngine: LLM(**llm_args).engine, --quantization parsed here. A module-level
+    function, so `functools.partial(build_llm_engine, ...)` travels to an engine core process."""
+    from ...llm import LLM
+
+    if quantization is not None:  # chapter 08: a name, NAME:opts or a saved folder
+        from ...quantize import parse_quantization
+
+        llm_args = {**llm_args, "quantization": parse_quantization(quantization)}
+    return LLM(**llm_args).engine

@@ -1,0 +1,249 @@
+"""Where the engine core runs: a thread of the server's process, or a process of its own (chapter 12).
+
+    thread    the engine core (engine_core.py) in a thread beside the event loop. One process, one
+              GIL: while the loop encodes and writes SSE chunks the engine cannot step, and the other
+              way round.
+    process   vLLM V1's split: a child process (multiprocessing, "spawn": CUDA cannot be forked)
+              builds the model and runs the core; the API process keeps HTTP, JSON, chat templates
+              and the checks. Two GILs: the step and the SSE writes run at the same time.
+
+            API process (event loop)                          engine core process
+    add/abort ──> buffer ──(one list per loop pass)──> pipe ──> reader thread ──> queue.Queue
+                                                                                      │
+    streams <── _deliver <── add_reader wakes the loop <── pipe <── ("out", deltas, load)
+                              (drains every message queued)        one message per engine pass
+
+Each message is pickled plain tuples (engine_core.encode). The core's reader thread always drains the
+command pipe, so the loop's writes never wait on a step. If the core process dies, its pipe's end
+closes: the loop sees end-of-file, marks the engine dead and ends every stream with an error. If the
+API process dies, the core sees end-of-file on its command pipe, aborts everything and exits; as a
+daemonic child it is also ended when the API process exits normally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import queue
+import signal
+import threading
+from types import SimpleNamespace
+
+from .block_manager import BlockManager
+from .engine_core import EngineCore, decode, encode
+from .llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+ENGINE_CORES = ("thread", "process")
+
+
+def build_engine(make_engine, warm_up) -> tuple[object, float | None]:
+    """make_engine(), warmed up if asked (warm_up "auto": on a GPU only) -> (engine, warm-up seconds)."""
+    engine = make_engine()
+    if warm_up is True or (warm_up == "auto" and engine.sizes.device.type == "cuda"):
+        return engine, engine.warm_up()
+    return engine, None
+
+
+class InprocCore:
+    """The engine core in a thread of this process. `front` is the AsyncLLMEngine it serves."""
+
+    def __init__(self, front):
+        self.front, self.commands = front, queue.Queue()
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
+        self.thread.start()
+
+    def send(self, cmd: tuple) -> None:
+        self.commands.put(cmd)  # thread-safe: callable from __del__ on any thread too
+
+    @property
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    async def join(self, timeout: float) -> None:
+        if self.thread is not None:
+            await asyncio.to_thread(self.thread.join, timeout)
+
+    def _run(self) -> None:
+        front = self.front
+        try:
+            engine, front.warm_up_seconds = build_engine(front.make_engine, front.warm_up)
+        except Exception as e:
+            logger.exception("building the engine failed")
+            front.call_soon(front.load_failed, f"{type(e).__name__}: {e}")
+            front.ready_event.set()
+            return
+        front.engine = engine
+        front.ready_event.set()
+
+        def publish(batch, load):
+            front.load = load  # the load first: a client that sees a delta sees its step's load
+            if batch:
+                front.call_soon(front.deliver, batch)
+
+        def fatal(reason):
+            front.dead = reason  # before the last deliveries: nobody may add to a dead core
+
+        if (reason := EngineCore(engine, self.commands, publish, fatal).run()) is not None:
+            front.call_soon(front.core_ended, reason)
+            return
+        engine.shutdown()
+
+
+class ProcCore:
+    """The engine core in a child process; the event loop reads its messages with loop.add_reader."""
+
+    def __init__(self, front):
+        self.front = front
+        self.proc = None
+        self._cmd_conn = self._out_conn = None
+        self._pending: list[tuple] = []
+        self._flush_scheduled, self._stopping, self._ended = False, False, False
+
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        cmd_r, self._cmd_conn = ctx.Pipe(duplex=False)
+        self._out_conn, out_w = ctx.Pipe(duplex=False)
+        level = logging.getLogger().getEffectiveLevel()
+        self.proc = ctx.Process(target=run_core_process, name="minillm-engine-core", daemon=True,
+                                args=(self.front.make_engine, self.front.warm_up, cmd_r, out_w, level))
+        self.proc.start()
+        cmd_r.close()  # the child's ends: closed here, so its death is an end-of-file
+        out_w.close()
+        self.front.loop.add_reader(self._out_conn.fileno(), self._on_readable)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    def send(self, cmd: tuple) -> None:
+        """Buffer a command; the loop sends everything buffered in one message at its next pass."""
+        self._pending.append(cmd)  # list.append is atomic: __del__ on another thread may call this
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.front.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False  # first: a command appended from now on schedules another flush
+        cmds, self._pending = self._pending, []
+        if cmds and not self._ended:
+            try:
+                self._cmd_conn.send(cmds)
+            except OSError:  # the core is gone; the end-of-file on its pipe ends the streams
+                pass
+
+    def _on_readable(self) -> None:
+        """On the loop, once per wake-up: every message the core has queued, delivered in one go (a
+        loop that fell behind gets several steps at once; the streams coalesce them)."""
+        front, batch, eof = self.front, [], False
+        try:
+            while self._out_conn.poll():
+                msg = self._out_conn.recv()
+                if msg[0] == "out":
+                    front.load = msg[2]
+                    batch += decode(msg[1], front.prompt_ids)
+                elif msg[0] == "ready":
+                    front.engine, front.warm_up_seconds = msg[1], msg[2]
+                    front.ready_event.set()
+                elif msg[0] == "load_error":
+                    front.load_failed(msg[1])
+                elif msg[0] == "dead":
+                    front.dead = msg[1]
+        except (EOFError, OSError):
+            eof = True
+        if batch:
+            front.deliver(batch)
+        if eof:
+            self._end()
+
+    def _end(self) -> None:
+        """The core's pipe closed: it exited. Reap it; if nobody asked it to, the engine is dead."""
+        if self._ended:
+            return
+        self._ended = True
+        self.front.loop.remove_reader(self._out_conn.fileno())
+        self._out_conn.close()
+        self._cmd_conn.close()
+        self.proc.join(5)
+        front = self.front
+        front.ready_event.set()
+        if front.load_error is None and (front.dead is not None or not self._stopping):
+            front.core_ended(front.dead or f"the engine core process exited with code {self.proc.exitcode}")
+
+    async def join(self, timeout: float) -> None:
+        self._stopping = True
+        await asyncio.to_thread(self.proc.join, timeout)
+        if self.proc.is_alive():
+            logger.warning("the engine core did not stop in %.0f s; terminating it", timeout)
+            self.proc.terminate()
+            await asyncio.to_thread(self.proc.join, 5)
+            if self.proc.is_alive():
+                self.proc.kill()
+                await asyncio.to_thread(self.proc.join, 5)
+        self._on_readable()  # what it sent last, then its end-of-file
+
+
+class EngineView:
+    """What the API process needs of an engine that lives in another process, all fixed once it is
+    built: the tokenizer, the limits, and LLMEngine.check_request itself (it reads only these)."""
+
+    check_request = LLMEngine.check_request
+
+    def __init__(self, engine):
+        self.tokenizer, self.config, self.max_model_len = engine.tokenizer, engine.config, engine.max_model_len
+        self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=engine.model.config.vocab_size))
+        self.block_manager = _Pool(engine.block_manager.num_blocks, engine.block_manager.block_size)
+        self.sizes = SimpleNamespace(device=engine.sizes.device)
+        self.groups: dict = {}  # request ids are the API process's to keep unique (AsyncLLMEngine does)
+
+
+class _Pool:
+    """The block pool's size, for check_request's "can it ever fit" (BlockManager's arithmetic)."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    blocks_needed = BlockManager.blocks_needed
+
+
+def run_core_process(make_engine, warm_up, cmd_conn, out_conn, log_level: int) -> None:
+    """The child process: build the engine, then serve the commands that come down the pipe."""
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s (engine core): %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the whole process group: the API process decides
+    commands: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_commands, args=(cmd_conn, commands), name="minillm-core-reader", daemon=True).start()
+
+    def send(msg) -> None:
+        try:
+            out_conn.send(msg)
+        except OSError:  # the API process is gone: stop, aborting everything
+            commands.put(("stop", True))
+
+    try:
+        engine, warm_up_seconds = build_engine(make_engine, warm_up)
+    except Exception as e:
+        logging.getLogger(__name__).exception("building the engine failed")
+        send(("load_error", f"{type(e).__name__}: {e}"))
+        return
+    send(("ready", EngineView(engine), warm_up_seconds))
+    core = EngineCore(engine, commands, lambda batch, load: send(("out", encode(batch), load)),
+                      lambda reason: send(("dead", reason)))
+    if core.run() is None:
+        engine.shutdown()
+    out_conn.close()
+
+
+def _read_commands(conn, commands: queue.Queue) -> None:
+    """The child's reader thread: every command list into the queue, at once (the API process's
+    writes never wait for a step). End-of-file: the API process is gone."""
+    try:
+        while True:
+            for cmd in conn.recv():
+                commands.put(cmd)
+    except (EOFError, OSError):
+        commands.put(("stop", True))

@@ -1,0 +1,219 @@
+"""EngineCore: the loop that owns an LLMEngine and steps it while anyone has work (chapter 12).
+
+    core = EngineCore(engine, commands, publish)   # commands: a queue.Queue of the tuples below
+    core.run()                                      # until ("stop", ...) and no request is left
+
+It is vLLM V1's EngineCore: the part of the server that touches the model. It does not know where it
+runs; core_client.py runs it in a thread of the server's process or in a process of its own. Both
+sides speak plain tuples, so the same loop serves both:
+
+    in   ("add", request_id, prompt_ids, params, arrival)    a checked request
+         ("abort", [request_id, ...])                         its client went away: free its blocks
+         ("stop", abort_all)                                  end once nothing runs (abort_all: now)
+    out  publish(deltas, load) after every pass               every request's new tokens, one call
+
+A delta is a RequestOutput holding only what is new since the last one (vLLM's
+RequestOutputKind.DELTA). Text comes from Sequence.stream_delta, which holds back what could still be
+the start of a stop string, so a stop string never reaches a client. A request's last delta has
+finished=True and a FinishedStats as `metrics`. A request whose step failed ends with finish_reason
+"error" and RequestOutput.error; an aborted one with "abort", its blocks freed before the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..outputs import CompletionOutput, RequestOutput
+from ..sequence import SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FinishedStats:
+    """How one request went, in time.perf_counter() seconds: the final output's `metrics`. (Linux's
+    perf_counter is CLOCK_MONOTONIC, one clock for every process of the machine.)"""
+
+    arrival_time: float  # when the caller handed it in
+    first_token_time: float | None  # None: it ended before its first token
+    finished_time: float
+    num_prompt_tokens: int
+    output_lens: tuple[int, ...]  # tokens of each of its n completions
+    finish_reason: str  # of the request: "error" or "abort" if any completion ended so, else completion 0's
+    scheduled_time: float | None = None  # when the first engine step that ran it began (queue wait ends)
+
+    @property
+    def num_generation_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine holds right now, published after every pass (for /metrics)."""
+
+    running: int = 0  # requests with a sequence in the running batch
+    waiting: int = 0  # requests held with no sequence running: not started yet, or preempted
+    used_blocks: int = 0  # KV blocks held by sequences
+    num_blocks: int = 0  # KV blocks in the pool (block 0, reserved, not counted)
+    stats: dict | None = None  # engine.engine_stats.as_dict(): preemptions, steps, tokens
+
+
+class _Tracked:
+    """The core's view of one request: its sequences and how much of each was sent."""
+
+    def __init__(self, group, arrival: float):
+        self.group, self.arrival = group, arrival
+        self.scheduled: float | None = None  # the start of the first step that ran it
+        self.sent = [0] * len(group.seqs)  # output tokens already handed out, per sequence
+        self.done = [False] * len(group.seqs)
+
+    def delta(self) -> RequestOutput | None:
+        outs = []
+        for i, seq in enumerate(self.group.seqs):
+            if self.done[i]:
+                continue
+            n, start = len(seq.output_ids), self.sent[i]
+            text = seq.stream_delta()
+            if n == start and not seq.finished and not text:
+                continue
+            logprobs = seq.logprobs[start:n] if seq.logprobs is not None else None
+            self.sent[i], self.done[i] = n, seq.finished
+            outs.append(CompletionOutput(seq.index, text, seq.output_ids[start:n],
+                                         seq.cumulative_logprob if logprobs is not None else None, logprobs,
+                                         seq.finish_reason, seq.stop_reason))
+        if not outs:
+            return None
+        finished = all(self.done)
+        return RequestOutput(self.group.request_id, None, self.group.prompt_ids, outs, finished=finished,
+                             metrics=self.stats() if finished else None, error=self.group.error)
+
+    def stats(self) -> FinishedStats:
+        seqs, m = self.group.seqs, self.group.metrics
+        reasons = [s.finish_reason for s in seqs]
+        reason = next((r for r in ("error", "abort") if r in reasons), reasons[0])
+        return FinishedStats(self.arrival, m.first_token_time, time.perf_counter(), len(self.group.prompt_ids),
+                             tuple(len(s.output_ids) for s in seqs), reason, self.scheduled)
+
+
+class EngineCore:
+    def __init__(self, engine, commands: queue.Queue, publish: Callable[[list[RequestOutput], EngineLoad], None],
+                 on_fatal: Callable[[str], None] = lambda reason: None):
+        """publish(deltas, load) is called after every pass, deltas possibly empty. on_fatal(reason) is
+        called when the loop itself fails (a bug outside any one request's step), before the last
+        publish ends every request with the error: whoever serves must refuse new requests first."""
+        self.engine, self.commands, self.publish, self.on_fatal = engine, commands, publish, on_fatal
+        self.tracked: dict[str, _Tracked] = {}
+        self._refused: list[RequestOutput] = []  # adds the engine refused: ended at the next publish
+
+    def run(self) -> str | None:
+        """Serve until stopped. -> None, or why the loop failed (every request was ended with it)."""
+        try:
+            self._serve()
+        except Exception as e:  # nothing can be trusted now
+            logger.exception("the engine core failed")
+            reason = f"{type(e).__name__}: {e}"
+            self.on_fatal(reason)
+            for tr in self.tracked.values():
+                tr.group.error = tr.group.error or reason
+                for s in tr.group.seqs:
+                    s.finish_reason = s.finish_reason or "error"
+            self._publish()
+            return reason
+        return None
+
+    def _serve(self) -> None:
+        engine = self.engine
+        stopping = False
+        while not (stopping and not self.tracked):
+            busy = engine.has_unfinished_requests()
+            commands = [self.commands.get()] if not busy else []  # idle: sleep until someone asks
+            while True:
+                try:
+                    commands.append(self.commands.get_nowait())
+                except queue.Empty:
+                    break
+            for cmd in commands:
+                stopping |= self._apply(cmd)
+            if engine.has_unfinished_requests():
+                began = time.perf_counter()
+                try:
+                    engine.step(unfinished_outputs=False)  # outputs are read off the sequences below
+                except Exception as e:  # LLMEngine.step ends failing requests itself; this is worse
+                    logger.exception("engine step failed; ending the requests in flight")
+                    self._fail_all(e)
+                for tr in self.tracked.values():  # who ran for the first time (stamped after its forward)
+                    if tr.scheduled is None and tr.group.metrics.first_scheduled_time is not None:
+                        tr.scheduled = began
+            self._publish()
+
+    def _apply(self, cmd: tuple) -> bool:
+        """Run one command; True for "stop"."""
+        engine = self.engine
+        if cmd[0] == "add":
+            _, rid, ids, params, arrival = cmd
+            try:
+                engine.add_request(rid, {"prompt_token_ids": ids}, params)
+            except Exception as e:  # checked before it was sent, so this is a race or a bug: end it cleanly
+                self._refused.append(failed_output(rid, ids, e, arrival))
+                return False
+            self.tracked[rid] = _Tracked(engine.groups[rid], arrival)
+        elif cmd[0] == "abort":
+            engine.abort_request([r for r in cmd[1] if r in self.tracked])  # marks them "abort", frees blocks
+        elif cmd[0] == "stop":
+            if cmd[1]:
+                engine.abort_request(list(self.tracked))
+            return True
+        return False
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid, tr in self.tracked.items():
+            tr.group.error = tr.group.error or f"{type(error).__name__}: {error}"
+            unfinished = [s for s in tr.group.seqs if not s.finished]
+            self.engine.abort_request(rid)  # frees their blocks, marks them "abort"
+            for s in unfinished:
+                s.finish_reason = "error"
+
+    def _publish(self) -> None:
+        """Every request's delta and the load figures, in one call."""
+        batch, running, waiting = self._refused, 0, 0
+        self._refused = []
+        for rid, tr in list(self.tracked.items()):
+            delta = tr.delta()
+            if delta is not None:
+                batch.append(delta)
+                if delta.finished:
+                    del self.tracked[rid]
+                    continue
+            if any(s.status is SequenceStatus.RUNNING for s in tr.group.seqs):
+                running += 1
+            else:
+                waiting += 1
+        bm = self.engine.block_manager
+        self.publish(batch, EngineLoad(running, waiting, bm.num_used_blocks, bm.num_blocks - 1,
+                                       self.engine.engine_stats.as_dict()))
+
+
+def failed_output(rid: str, ids: list[int], error: Exception | str, arrival: float) -> RequestOutput:
+    """The one delta of a request that ended in error before the engine ran it."""
+    now = time.perf_counter()
+    reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    return RequestOutput(rid, None, ids, [CompletionOutput(0, "", [], finish_reason="error")],
+                         metrics=FinishedStats(arrival, None, now, len(ids), (0,), "error"), error=reason)
+
+
+# ---- the wire format between processes: plain tuples (pickled 4x smaller and faster than the objects) ----
+
+def encode(batch: list[RequestOutput]) -> list[tuple]:
+    """Deltas -> tuples, without the prompt's ids (the API process has them)."""
+    return [(d.request_id, d.finished, d.error, d.metrics,
+             [(o.index, o.text, o.token_ids, o.cumulative_logprob, o.logprobs, o.finish_reason, o.stop_reason)
+              for o in d.outputs]) for d in batch]
+
+
+def decode(rows: list[tuple], prompt_ids: Callable[[str], list[int] | None]) -> list[RequestOutput]:
+    return [RequestOutput(rid, None, prompt_ids(rid), [CompletionOutput(*o) for o in outs], finished=finished,
+                          metrics=metrics, error=error) for rid, finished, error, metrics, outs in rows]
