@@ -166,3 +166,46 @@ def test_runner_gives_logits_at_any_rows(seed, tok):
     engine.abort_request("r")
     hidden = model(torch.tensor(prompt), torch.arange(9), AttentionMetadata.from_seq_lens([9]))
     torch.testing.assert_close(got, model.compute_logits(hidden)[rows], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("speculative_config", [None, {"method": "ngram", "num_speculative_tokens": 3,
+                                                       "prompt_lookup_min": 1}])
+def test_nan_logits_never_become_a_token_on_the_greedy_fast_paths(seed, tok, monkeypatch, speculative_config):
+    """A NaN in a row of logits (a broken model, an fp16 overflow): torch's argmax picks the NaN's position.
+    The engine's greedy shortcuts (one argmax for the batch, the host-side greedy verify) must give what the
+    Sampler's guard gives, never that token; with drafts the same tokens as without."""
+    rng = random.Random(seed)
+    model, _ = random_model(rng)
+    nan_col = rng.randrange(model.config.vocab_size)
+    prompts = [[rng.randrange(97) for _ in range(rng.randrange(2, 10))] * 2 for _ in range(3)]  # repeats: drafts
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    def run(spec, poison: bool):
+        engine = LLMEngine(model, tok, [], EngineConfig(block_size=4, num_gpu_blocks=64, speculative_config=spec))
+        real = engine.runner.execute
+
+        def execute(*args):
+            logits = real(*args)  # [rows, vocab]
+            return logits.index_fill(1, torch.tensor([nan_col]), float("nan")) if poison else logits
+
+        monkeypatch.setattr(engine.runner, "execute", execute)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+        outs = _drain(engine)
+        assert all(o.error is None for o in outs.values()), [o.error for o in outs.values()]
+        return [outs[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))], engine
+
+    got, engine = run(speculative_config, poison=True)
+    assert all(nan_col not in tokens for tokens in got)
+    if speculative_config:
+        assert engine.engine_stats.spec.num_draft_tokens > 0  # the verify path did run
+        assert got == run(None, poison=True)[0]
+
+
+def test_greedy_tokens_flags_broken_rows():
+    from minillm.engine.llm_engine import greedy_tokens
+
+    nan, inf = float("nan"), float("inf")
+    assert greedy_tokens(torch.tensor([[0.0, 3.0, 1.0], [inf, 0.0, 1.0]])) == [1, 0]
+    assert greedy_tokens(torch.tensor([[0.0, nan, 1.0], [0.0, 2.0, 1.0]])) is None
+    assert greedy_tokens(torch.tensor([[-inf, -inf, -inf], [0.0, 2.0, 1.0]])) is None

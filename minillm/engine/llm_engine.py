@@ -401,7 +401,9 @@ class LLMEngine:
         if not any(s.spec_token_ids for s in seqs):
             return self._sample_plain(seqs, logits)
         if all(_plain_greedy(s.params) for s in seqs) and not any(s.banned_tokens() for s in seqs):
-            return self._verify_greedy(seqs, logits.argmax(dim=-1).tolist())  # one sync, no metadata
+            tokens = greedy_tokens(logits)  # one sync, no metadata
+            if tokens is not None:
+                return self._verify_greedy(seqs, tokens)
         starts = [0]
         for s in seqs:
             starts.append(starts[-1] + 1 + len(s.spec_token_ids))
@@ -415,8 +417,10 @@ class LLMEngine:
     def _sample_plain(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         params = [s.params for s in seqs]
         banned = [s.banned_tokens() for s in seqs]
+        tokens = None
         if all(_plain_greedy(p) for p in params) and not any(banned):  # the common case, without the setup
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = greedy_tokens(logits)
+        if tokens is not None:
             for s, t in zip(seqs, tokens):
                 s.append(t)
         else:
@@ -532,6 +536,16 @@ class LLMEngine:
             self.proposer.graphs = None
         self.cache.k_caches.clear()
         self.cache.v_caches.clear()
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int] | None:
+    """[R, V] -> each row's argmax, copied to the host once; None when some row is broken (a NaN, which
+    argmax would pick, or nothing above -inf, where it would pick token 0): the Sampler's guard decides
+    those (chapter 02), so the fast path never emits a token the slow path would not."""
+    best, tokens = logits.max(dim=-1)  # [R], [R]: one pass gives both
+    broken = best.isnan() | (best == float("-inf"))  # [R]
+    tokens, broken = torch.stack([tokens, broken.long()]).tolist()
+    return None if any(broken) else tokens
 
 
 def _plain_greedy(p: SamplingParams) -> bool:

@@ -76,7 +76,11 @@ class RejectionSampler:
         draft_rows = torch.tensor(rows, dtype=torch.long, device=dev)  # [D]
         drafts = torch.tensor(draft_token_ids, dtype=torch.long, device=dev)  # [D]
         greedy = meta.temperature == 0  # [R]
-        tokens = logits.argmax(dim=-1)  # [R]: greedy rows' answer, whether it accepts or replaces
+        # [R] greedy rows' answer, whether it accepts or replaces; a NaN is never it (the Sampler's guard:
+        # NaN counts as -inf, +inf as the largest float)
+        best, tokens = logits.nan_to_num(nan=float("-inf")).max(dim=-1)
+        # rows with no token to give: nothing finite, or a sampled row whose distribution is NaN
+        broken = (best == float("-inf")) | (~greedy & logits.isnan().any(dim=-1))  # [R]
         accepted = drafts == tokens[draft_rows]  # [D] greedy rule
         if not bool(greedy.all()):
             probs = filtered_probs(logits, meta)  # [R, V] p
@@ -94,6 +98,10 @@ class RejectionSampler:
             empty = residual.sum(dim=-1, keepdim=True) <= 0
             weights[draft_rows] = torch.where(empty, probs[draft_rows], residual)
             tokens = torch.where(greedy, tokens, race(weights, meta.seeds, meta.steps))
+        if bool(broken.any()):  # no token to verify against: the request fails, its rows named
+            rows = broken.nonzero()[:, 0].tolist()
+            raise ValueError(f"RejectionSampler: the target's logits of row(s) {rows} have no finite value (or "
+                             "a NaN in a sampled row): the model's output is broken, there is no token to verify against")
         accepted, tokens, drafts = accepted.tolist(), tokens.tolist(), draft_token_ids
         out, d = [], 0
         for start, k in zip(starts, num_draft):
