@@ -543,9 +543,8 @@ def greedy_tokens(logits: torch.Tensor) -> list[int] | None:
     argmax would pick, or nothing above -inf, where it would pick token 0): the Sampler's guard decides
     those (chapter 02), so the fast path never emits a token the slow path would not."""
     best, tokens = logits.max(dim=-1)  # [R], [R]: one pass gives both
-    broken = best.isnan() | (best == float("-inf"))  # [R]
-    tokens, broken = torch.stack([tokens, broken.long()]).tolist()
-    return None if any(broken) else tokens
+    tokens = torch.where(best > float("-inf"), tokens, -1).tolist()  # NaN > -inf is False: -1 marks both
+    return None if -1 in tokens else tokens
 
 
 def _plain_greedy(p: SamplingParams) -> bool:
