@@ -8,6 +8,9 @@ random checkpoint with a chat template (CPU).
 - 64 concurrent streaming clients each end exactly once, reassemble to the non-streamed answer, and
   /metrics agrees with what the clients counted;
 - a client that disconnects mid-stream (or before a non-streamed answer) is aborted, its blocks freed.
+
+Every test runs against two servers: the engine core in a thread (--engine-core thread) and in a
+process of its own (--engine-core process).
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ pytest.importorskip("uvicorn")
 MAX_BODY = 65536
 
 
-@pytest.fixture(scope="module")
-def server(tiny_chat_model, tmp_path_factory):
-    with serve(tiny_chat_model, "--max-request-bytes", str(MAX_BODY), log_dir=tmp_path_factory.mktemp("logs")) as s:
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(tiny_chat_model, tmp_path_factory, request):
+    with serve(tiny_chat_model, "--max-request-bytes", str(MAX_BODY), "--engine-core", request.param,
+               log_dir=tmp_path_factory.mktemp("logs")) as s:
         yield s
 
 

@@ -12,18 +12,21 @@
     POST /v1/completions        serving_completion.py
     POST /v1/chat/completions   serving_chat.py
 
-The port opens at once; the engine thread builds the model and warms it up meanwhile (until then
-/health and every /v1 call answer 503). Every error has OpenAI's body, {"error": {"message", "type",
+The port opens at once; the engine core builds the model and warms it up meanwhile (until then
+/health and every /v1 call answer 503). The core runs in a child process (--engine-core process, the
+default: vLLM V1's EngineCore) or in a thread of this one (--engine-core thread); see
+engine/core_client.py. Every error has OpenAI's body, {"error": {"message", "type",
 "param", "code"}}: 400 for a bad request (malformed JSON, a wrong type, a bad value, a prompt longer
 than the context; FastAPI's 422 becomes 400, as SGLang does), 401 for a missing or wrong API key,
 404 for an unknown model or path, 413 for a body over --max-request-bytes, 503 while not serving.
 
 Shutdown (SIGTERM, Ctrl-C): the listening socket closes, new requests on open connections get 503,
 requests in flight get --shutdown-grace seconds to finish and are then aborted (their streams end
-with finish_reason "abort" and `data: [DONE]`); then the engine thread stops and frees its memory.
+with finish_reason "abort" and `data: [DONE]`); then the engine core stops and frees its memory.
 uvicorn then re-raises the signal, as a server killed by it would end. A model that fails to load
-(or an engine flag that is wrong) ends the server with exit 2 and one line on stderr; an engine thread that fails for good, with exit 1
-(a supervisor restarts it).
+(or an engine flag that is wrong) ends the server with exit 2 and one line on stderr; an engine core that
+fails for good (or whose process dies), with exit 1 (a supervisor restarts it); its streams end with an
+error event first.
 """
 
 from __future__ import annotations

@@ -62,11 +62,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--switch-interval-ms", type=_positive_ms, default=None,
-                   help="Python's GIL switch interval in ms (default: Python's, 5): the engine thread and the "
-                   "event loop share the GIL, and a thread back from the GPU may wait this long for it")
-    p.add_argument("--engine-core", choices=["thread", "process"], default="thread",
-                   help="where the engine runs: a thread of the server's process (one GIL with the HTTP loop), or "
-                   "a process of its own (vLLM V1's EngineCore: the step and the HTTP work run at once)")
+                   help="Python's GIL switch interval in ms (default: Python's, 5): with --engine-core thread the "
+                   "engine thread and the event loop share the GIL, and a thread back from the GPU may wait this long "
+                   "for it")
+    p.add_argument("--engine-core", choices=["thread", "process"], default="process",
+                   help="where the engine runs: process (default; vLLM V1's EngineCore: a child process steps the "
+                   "model while this one does HTTP, JSON and SSE, each with its own GIL) or thread (a thread of the "
+                   "server's process, sharing one GIL with the HTTP loop)")
     p.add_argument("--quantization", default=None, help="weights in fewer bits: int8, int4, awq, gptq "
                    "(NAME:key=value,... for options), or a folder written by `minillm quantize`")
     g = p.add_argument_group("engine")
