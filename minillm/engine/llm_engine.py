@@ -24,12 +24,13 @@ engine goes on serving the others.
 
 Speculative decoding (chapter 09, EngineConfig.speculative_config): the scheduler reserves up to k
 extra tokens for each decoding sequence; after the block copies, the proposer fills them with draft
-tokens (`_propose`); the step computes the last token and the drafts together, with logits at all
-k + 1 rows; the rejection sampler keeps a prefix of the drafts plus one token (`_verify`), appended
-one by one with the stop checks; then `_rollback` sets num_computed_tokens to the accepted tokens
+tokens; the step computes the last token and the drafts together, with logits at all
+k + 1 rows; the rejection sampler keeps a prefix of the drafts plus one token, appended one by one with
+the stop checks; then the rollback sets num_computed_tokens to the accepted tokens
 (the rejected slots are overwritten later), gives back blocks past the sequence's end, and names the
 newly full, accepted blocks for the prefix cache. Requests whose next-token distribution depends on
-the tokens just accepted (penalties, logprobs, before min_tokens) get no drafts.
+the tokens just accepted (penalties, logprobs, before min_tokens) get no drafts. Those steps live in
+spec_decode_steps.py.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from ..checks import check_int
 from ..inputs import check_length, prompt_ids
 from ..outputs import RequestOutput
 from ..sampling import Sampler, SamplingMetadata, SamplingParams
-from ..sampling.rejection_sampler import RejectionSampler, spec_metadata
+from ..sampling.rejection_sampler import RejectionSampler
 from ..sequence import Sequence, append_tokens, make_sequences
 from ..spec_decode import SpecDecodeMetrics, make_proposer
 from .block_manager import BlockManager
@@ -56,6 +57,7 @@ from .config import EngineConfig
 from .model_runner import ModelRunner
 from .prefix_cache import make_prefix_cache
 from .scheduler import Scheduler, SchedulerOutput
+from .spec_decode_steps import SpecDecodeSteps
 from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -96,7 +98,7 @@ class SequenceGroup:
                              spec=spec if speculative else None)
 
 
-class LLMEngine:
+class LLMEngine(SpecDecodeSteps):
     def __init__(self, model, tokenizer, eos_token_ids: list[int], config: EngineConfig | None = None,
                  progress: bool = True):
         self.config = config = config or EngineConfig()
@@ -231,102 +233,6 @@ class LLMEngine:
             if not seq.finished:
                 self.block_manager.trim(seq.seq_id, seq.num_tokens)
         return failed + self._outputs([s for s in seqs if s.seq_id in self._group_of], unfinished_outputs)
-
-    # ---- speculative decoding (chapter 09) ---------------------------------------------------------
-
-    def _num_lookahead(self, seq: Sequence, batch_size: int) -> int:
-        """Draft tokens seq may carry this step: k (0 when the batch is too large, see
-        SpeculativeConfig.disable_by_batch_size), fewer near max_tokens or the context's end (a step
-        emits at most k + 1 tokens), none when its distribution depends on the tokens accepted."""
-        k, p = self.spec_config.speculative_tokens(batch_size), seq.params
-        if k == 0 or p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty \
-                or p.frequency_penalty or len(seq.output_ids) < p.min_tokens:
-            return 0
-        left = self.max_model_len - seq.num_tokens - 1
-        if p.max_tokens is not None:
-            left = min(left, p.max_tokens - len(seq.output_ids) - 1)
-        return max(0, min(k, left))
-
-    def _propose(self, sched: SchedulerOutput) -> tuple[list[RequestOutput], list[Sequence]]:
-        """Fill the slots the scheduler reserved with draft tokens; -> (outputs of requests whose drafting
-        failed, the sequences that had slots reserved)."""
-        want = [(i, s, n - 1) for i, (s, n) in enumerate(sched.scheduled) if n > s.num_tokens - s.num_computed_tokens]
-        if not want:
-            return [], []
-        seqs = [s for _, s, _ in want]
-        try:
-            drafts, probs = self.proposer.propose(seqs, [k for *_, k in want], self.block_manager.block_tables)
-        except Exception as e:  # a broken draft concerns the sequences it drafted for
-            failed = self._fail({self._group_of[s.seq_id]: e for s in seqs})
-            sched.scheduled = [(s, n) for s, n in sched.scheduled if s.seq_id in self._group_of]
-            return failed, []
-        d = 0
-        for (i, seq, _), draft in zip(want, drafts):
-            seq.spec_token_ids = draft
-            seq.spec_probs = probs[d : d + len(draft)] if probs is not None else None
-            d += len(draft)
-            sched.scheduled[i] = (seq, 1 + len(draft))
-        return [], seqs
-
-    def _verify(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Sequences with drafts: logits [sum(k + 1), vocab] -> accept, append, roll back."""
-        num_draft = [len(s.spec_token_ids) for s in seqs]
-        probs = [s.spec_probs for s in seqs]
-        draft_probs = torch.cat(probs) if all(p is not None for p in probs) else None  # [D, V]
-        meta = spec_metadata([s.params for s in seqs], [s.seed for s in seqs], [len(s.output_ids) for s in seqs],
-                             num_draft, logits.shape[1], logits.device)
-        emitted = self.rejection_sampler(logits, num_draft, [t for s in seqs for t in s.spec_token_ids],
-                                         draft_probs, meta)
-        self._append_verified(seqs, emitted)
-
-    def _verify_greedy(self, seqs: list[Sequence], argmax: list[int]) -> None:
-        """Every sequence greedy (the common case): the rejection sampler's greedy rule on the host, from
-        the argmax of every row, [sum(k + 1)]. On a GPU this saves the per-row sampling metadata, a
-        dozen small copies to the device and two waits for it, about as long as a decode step of a
-        small model."""
-        emitted, row = [], 0
-        for seq in seqs:
-            drafts, out = seq.spec_token_ids, []
-            for j, d in enumerate(drafts):
-                out.append(argmax[row + j])  # the target's token: the draft itself, or its replacement
-                if d != argmax[row + j]:
-                    break
-            else:
-                out.append(argmax[row + len(drafts)])  # every draft accepted (or none): the bonus token
-            emitted.append(out)
-            row += 1 + len(drafts)
-        self._append_verified(seqs, emitted)
-
-    def _append_verified(self, seqs: list[Sequence], emitted: list[list[int]]) -> None:
-        """Each sequence's emitted tokens appended one by one, its metrics recorded, its drafts rolled back."""
-        for seq, tokens in zip(seqs, emitted):
-            k = len(seq.spec_token_ids)
-            if not k:  # no drafts this step (batched beside sequences with some): plain decoding's one token
-                seq.append(tokens[0])
-                self.engine_stats.num_generation_tokens += 1
-                continue
-            seq.spec.record(k, len(tokens) - 1)
-            self.engine_stats.spec.record(k, len(tokens) - 1)
-            for t in tokens:  # one by one: EOS, a stop string or max_tokens may end it inside the run
-                seq.append(t)
-                self.engine_stats.num_generation_tokens += 1
-                if seq.finished:
-                    break
-            self._rollback(seq, len(tokens) - 1)
-
-    def _rollback(self, seq: Sequence, accepted: int) -> None:
-        """After a verify: the K/V of the last token and the accepted drafts stand; the rest is past
-        num_computed_tokens (overwritten when the sequence gets there)."""
-        before = seq.num_computed_tokens - 1 - len(seq.spec_token_ids)  # computed when the step began
-        seq.spec_token_ids, seq.spec_probs = [], None
-        if seq.finished:
-            return
-        seq.num_computed_tokens = seq.num_tokens - 1  # = before + 1 + accepted
-        seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
-        bs = self.block_manager.block_size
-        self.block_manager.trim(seq.seq_id, seq.num_tokens)
-        if before // bs != seq.num_computed_tokens // bs:  # accepted tokens filled a block: name it now
-            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     def _logits_rows(self, sched: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
         """Which rows of the step's packed tokens get logits (vLLM's logits_indices), and whose they are: a

@@ -1,0 +1,121 @@
+"""The engine's steps for speculative decoding (chapter 09), apart from the step they fit into.
+
+LLMEngine.step (llm_engine.py) runs schedule -> execute -> advance -> sample -> outputs. With a
+speculative_config, three pieces join it, all here:
+
+    lookahead   the scheduler asks, per running sequence, how many draft slots to reserve
+                (`_num_lookahead`: k, or 0 above disable_by_batch_size, near max_tokens or the context's
+                end, and for requests whose distribution depends on the tokens just accepted);
+    propose     after the step's block copies, the proposer fills the reserved slots (`_propose`);
+    verify      the sampled rows of a sequence with drafts go through the rejection sampler, or, when the
+                whole batch is greedy, through the same rule on the host (`_verify_greedy`); the emitted
+                tokens are appended one by one and the rest rolled back (`_append_verified`, `_rollback`).
+
+A mixin of LLMEngine: it reads the engine's spec_config, proposer, rejection_sampler, block_manager,
+engine_stats and request bookkeeping.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..outputs import RequestOutput
+from ..sampling.rejection_sampler import spec_metadata
+from ..sequence import Sequence
+from .scheduler import SchedulerOutput
+
+
+class SpecDecodeSteps:
+    def _num_lookahead(self, seq: Sequence, batch_size: int) -> int:
+        """Draft tokens seq may carry this step: k (0 when the batch is too large, see
+        SpeculativeConfig.disable_by_batch_size), fewer near max_tokens or the context's end (a step
+        emits at most k + 1 tokens), none when its distribution depends on the tokens accepted."""
+        k, p = self.spec_config.speculative_tokens(batch_size), seq.params
+        if k == 0 or p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty \
+                or p.frequency_penalty or len(seq.output_ids) < p.min_tokens:
+            return 0
+        left = self.max_model_len - seq.num_tokens - 1
+        if p.max_tokens is not None:
+            left = min(left, p.max_tokens - len(seq.output_ids) - 1)
+        return max(0, min(k, left))
+
+    def _propose(self, sched: SchedulerOutput) -> tuple[list[RequestOutput], list[Sequence]]:
+        """Fill the slots the scheduler reserved with draft tokens; -> (outputs of requests whose drafting
+        failed, the sequences that had slots reserved)."""
+        want = [(i, s, n - 1) for i, (s, n) in enumerate(sched.scheduled) if n > s.num_tokens - s.num_computed_tokens]
+        if not want:
+            return [], []
+        seqs = [s for _, s, _ in want]
+        try:
+            drafts, probs = self.proposer.propose(seqs, [k for *_, k in want], self.block_manager.block_tables)
+        except Exception as e:  # a broken draft concerns the sequences it drafted for
+            failed = self._fail({self._group_of[s.seq_id]: e for s in seqs})
+            sched.scheduled = [(s, n) for s, n in sched.scheduled if s.seq_id in self._group_of]
+            return failed, []
+        d = 0
+        for (i, seq, _), draft in zip(want, drafts):
+            seq.spec_token_ids = draft
+            seq.spec_probs = probs[d : d + len(draft)] if probs is not None else None
+            d += len(draft)
+            sched.scheduled[i] = (seq, 1 + len(draft))
+        return [], seqs
+
+    def _verify(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Sequences with drafts: logits [sum(k + 1), vocab] -> accept, append, roll back."""
+        num_draft = [len(s.spec_token_ids) for s in seqs]
+        probs = [s.spec_probs for s in seqs]
+        draft_probs = torch.cat(probs) if all(p is not None for p in probs) else None  # [D, V]
+        meta = spec_metadata([s.params for s in seqs], [s.seed for s in seqs], [len(s.output_ids) for s in seqs],
+                             num_draft, logits.shape[1], logits.device)
+        emitted = self.rejection_sampler(logits, num_draft, [t for s in seqs for t in s.spec_token_ids],
+                                         draft_probs, meta)
+        self._append_verified(seqs, emitted)
+
+    def _verify_greedy(self, seqs: list[Sequence], argmax: list[int]) -> None:
+        """Every sequence greedy (the common case): the rejection sampler's greedy rule on the host, from
+        the argmax of every row, [sum(k + 1)]. On a GPU this saves the per-row sampling metadata, a
+        dozen small copies to the device and two waits for it, about as long as a decode step of a
+        small model."""
+        emitted, row = [], 0
+        for seq in seqs:
+            drafts, out = seq.spec_token_ids, []
+            for j, d in enumerate(drafts):
+                out.append(argmax[row + j])  # the target's token: the draft itself, or its replacement
+                if d != argmax[row + j]:
+                    break
+            else:
+                out.append(argmax[row + len(drafts)])  # every draft accepted (or none): the bonus token
+            emitted.append(out)
+            row += 1 + len(drafts)
+        self._append_verified(seqs, emitted)
+
+    def _append_verified(self, seqs: list[Sequence], emitted: list[list[int]]) -> None:
+        """Each sequence's emitted tokens appended one by one, its metrics recorded, its drafts rolled back."""
+        for seq, tokens in zip(seqs, emitted):
+            k = len(seq.spec_token_ids)
+            if not k:  # no drafts this step (batched beside sequences with some): plain decoding's one token
+                seq.append(tokens[0])
+                self.engine_stats.num_generation_tokens += 1
+                continue
+            seq.spec.record(k, len(tokens) - 1)
+            self.engine_stats.spec.record(k, len(tokens) - 1)
+            for t in tokens:  # one by one: EOS, a stop string or max_tokens may end it inside the run
+                seq.append(t)
+                self.engine_stats.num_generation_tokens += 1
+                if seq.finished:
+                    break
+            self._rollback(seq, len(tokens) - 1)
+
+    def _rollback(self, seq: Sequence, accepted: int) -> None:
+        """After a verify: the K/V of the last token and the accepted drafts stand; the rest is past
+        num_computed_tokens (overwritten when the sequence gets there)."""
+        before = seq.num_computed_tokens - 1 - len(seq.spec_token_ids)  # computed when the step began
+        seq.spec_token_ids, seq.spec_probs = [], None
+        if seq.finished:
+            return
+        seq.num_computed_tokens = seq.num_tokens - 1  # = before + 1 + accepted
+        seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+        bs = self.block_manager.block_size
+        self.block_manager.trim(seq.seq_id, seq.num_tokens)
+        if before // bs != seq.num_computed_tokens // bs:  # accepted tokens filled a block: name it now
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
