@@ -23,6 +23,8 @@ daemonic child it is also ended when the API process exits normally.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
 import multiprocessing as mp
 import queue
@@ -109,6 +111,7 @@ class ProcCore:
         ctx = mp.get_context("spawn")
         cmd_r, self._cmd_conn = ctx.Pipe(duplex=False)
         self._out_conn, out_w = ctx.Pipe(duplex=False)
+        _widen(self._out_conn)
         level = logging.getLogger().getEffectiveLevel()
         self.proc = ctx.Process(target=run_core_process, name="minillm-engine-core", daemon=True,
                                 args=(self.front.make_engine, self.front.warm_up, cmd_r, out_w, level))
@@ -186,6 +189,16 @@ class ProcCore:
                 self.proc.kill()
                 await asyncio.to_thread(self.proc.join, 5)
         self._on_readable()  # what it sent last, then its end-of-file
+
+
+OUT_PIPE_BYTES = 1 << 20  # Linux's default limit for a pipe (/proc/sys/fs/pipe-max-size)
+
+
+def _widen(conn) -> None:
+    """Let the core's pipe hold ~1 MiB (dozens of steps' deltas) instead of 64 KiB: a core whose pipe
+    is full waits in send(), so a loop behind by a few steps would hold the engine back again."""
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or over the limit: keep the default
+        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, OUT_PIPE_BYTES)
 
 
 class EngineView:
