@@ -29,15 +29,17 @@ A slot past the end of the cache is the caller's bug; the kernel drops such a ro
 outside the cache (the reference raises an IndexError instead).
 
 A quantized cache (chapter 08: `kv_cache_dtype="fp8"` or `"int8"`) stores each number in one byte.
-The write is then where it is quantized, once, with the layer's per-KV-head scales (fp32 [Hkv], one
-for K, one for V, calibrated from a few prompts: layers/quantization/kv_cache.py):
+The write is then where it is quantized, once, with the layer's scales (fp32, calibrated from a few
+prompts: layers/quantization/kv_cache.py): one per KV head ([Hkv]), or for keys one per KV head and
+channel ([Hkv, D]: keys have outlier channels):
 
-    fp8:   k_cache[slot, h, :] = fp8_e4m3(k[t, h, :] / k_scale[h])            saturating at +-448
-    int8:  k_cache[slot, h, :] = round(k[t, h, :] / k_scale[h]) in -127..127   ties to even
+    fp8:   k_cache[slot, h, d] = fp8_e4m3(k[t, h, d] / k_scale[h(, d)])            saturating at +-448
+    int8:  k_cache[slot, h, d] = round(k[t, h, d] / k_scale[h(, d)]) in -127..127   ties to even
 
-The attention kernels read the bytes back and multiply by the same scale (flash_attn.py). The
-rounding is done in fp32 before the cast, identically in the kernel and the reference
-(`quant_fp8.round_fp8_e4m3`, `round_int8`), so both store the same bits.
+The attention kernels read the bytes back and multiply by a per-head scale (flash_attn.py); a
+per-channel key scale is folded into the query instead (layers/attention.py). The rounding is done
+in fp32 before the cast, identically in the kernel and the reference (`quant_fp8.round_fp8_e4m3`,
+`round_int8`), so both store the same bits.
 """
 
 from __future__ import annotations
@@ -66,8 +68,8 @@ def _store_kv_kernel(
     k_cache_ptr,  # [num_slots, Hkv, D] contiguous: the cache seen flat over its blocks
     v_cache_ptr,  # [num_slots, Hkv, D] contiguous
     slot_ptr,  # [T] int32 or int64
-    k_scale_ptr,  # [Hkv] fp32 (a quantized cache; unused otherwise)
-    v_scale_ptr,
+    k_scale_ptr,  # [Hkv] or [Hkv, D] (K_PER_CHANNEL) fp32 (a quantized cache; unused otherwise)
+    v_scale_ptr,  # [Hkv] fp32
     stride_kt,
     stride_kh,
     stride_vt,
@@ -77,7 +79,8 @@ def _store_kv_kernel(
     D,
     BLOCK_H: tl.constexpr,  # next_power_of_2(Hkv)
     BLOCK_D: tl.constexpr,  # next_power_of_2(D)
-    QUANT: tl.constexpr,  # 0: copy; 1: fp8 e4m3; 2: int8 (with the per-head scales)
+    QUANT: tl.constexpr,  # 0: copy; 1: fp8 e4m3; 2: int8 (with the scales)
+    K_PER_CHANNEL: tl.constexpr,  # k_scale is [Hkv, D] (one per channel) instead of [Hkv]
 ):
     t = tl.program_id(0).to(tl.int64)  # int64: T * stride_kt can pass 2^31 in a long prefill
     slot = tl.load(slot_ptr + t).to(tl.int64)  # int64 whatever the index dtype: slot * Hkv * D below
@@ -91,7 +94,11 @@ def _store_kv_kernel(
     k = tl.load(k_ptr + t * stride_kt + heads * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + heads * stride_vh + d, mask=mask)
     if QUANT != 0:  # quantize: divide by the head's scale, round in fp32, then an exact cast
-        k_scale = tl.load(k_scale_ptr + heads, mask=heads < Hkv, other=1.0)  # [BLOCK_H, 1]
+        if K_PER_CHANNEL:
+            k_scale = tl.load(k_scale_ptr + heads * D + d, mask=(heads < Hkv) & (d < D),
+                              other=1.0)  # [BLOCK_H, BLOCK_D]
+        else:
+            k_scale = tl.load(k_scale_ptr + heads, mask=heads < Hkv, other=1.0)  # [BLOCK_H, 1]
         v_scale = tl.load(v_scale_ptr + heads, mask=heads < Hkv, other=1.0)
         k = tl.math.div_rn(k.to(tl.float32), k_scale)  # IEEE division: PyTorch's quotient, bit for bit
         v = tl.math.div_rn(v.to(tl.float32), v_scale)
@@ -115,7 +122,7 @@ def _check(k, v, k_cache, v_cache, slot_mapping, strict: bool, k_scale=None, v_s
     A quantized cache (fp8 e4m3, int8) takes k, v in fp16/bf16/fp32 and k_scale, v_scale. True then."""
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
         check_tensor(name, t)
-    quantized = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    quantized = check_kv_scales(k_cache, v_cache, _per_head(k_scale, k_cache), v_scale)
     for name, t in (("k", k), ("v", v)) + (() if quantized else (("k_cache", k_cache), ("v_cache", v_cache))):
         check_float_tensor(name, t, (FLOAT_DTYPES if quantized else COPY_DTYPES) if strict else None,
                            contiguous=False)
@@ -148,12 +155,25 @@ def _check(k, v, k_cache, v_cache, slot_mapping, strict: bool, k_scale=None, v_s
     return quantized
 
 
+def _per_head(k_scale, k_cache: torch.Tensor):
+    """A per-channel k_scale [Hkv, D] checked for its D here, and its first column handed to the
+    per-head checks (dtype, device, Hkv: kernels/checks.py); anything else is handed on as it is."""
+    if not isinstance(k_scale, torch.Tensor) or k_scale.dim() != 2:
+        return k_scale
+    if k_cache.dim() == 4 and k_scale.shape != k_cache.shape[2:]:
+        raise ValueError(f"a per-channel k_scale must have shape [num_kv_heads, head_dim] = "
+                         f"{tuple(k_cache.shape[2:])}, got {tuple(k_scale.shape)}")
+    if not k_scale.is_contiguous():  # the kernel addresses it as head * D + channel
+        raise ValueError(f"a per-channel k_scale must be contiguous, got strides {k_scale.stride()}")
+    return k_scale[:, 0]
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
              v_scale: torch.Tensor | None = None) -> None:
     """Write k[t], v[t] ([T, Hkv, D]) into flat row slot_mapping[t] of k_cache, v_cache
     ([num_blocks, block_size, Hkv, D]), in place; a slot < 0 writes nothing. One launch, no host sync.
-    An fp8/int8 cache quantizes with k_scale, v_scale (fp32 [Hkv])."""
+    An fp8/int8 cache quantizes with k_scale (fp32 [Hkv] or [Hkv, D]) and v_scale (fp32 [Hkv])."""
     quantized = _check(k, v, k_cache, v_cache, slot_mapping, True, k_scale, v_scale)
     T, Hkv, D = k.shape
     if T == 0 or k_cache.numel() == 0:
@@ -179,6 +199,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         BLOCK_H=BLOCK_H,
         BLOCK_D=BLOCK_D,
         QUANT=0 if not quantized else 1 if k_cache.dtype == torch.float8_e4m3fn else 2,
+        K_PER_CHANNEL=quantized and k_scale.dim() == 2,
         num_warps=num_warps,
     )
 
@@ -202,14 +223,20 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 
 def quantize_kv_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x [..., Hkv, D] -> dtype (fp8 e4m3 or int8) with one scale per head (scale [Hkv])."""
-    s = scale.float()[:, None]  # [Hkv, 1]: broadcast over D
+    """x [..., Hkv, D] -> dtype (fp8 e4m3 or int8) with one scale per head (scale [Hkv]) or per head
+    and channel (scale [Hkv, D])."""
+    s = _broadcast(scale)
     return quantize_fp8_ref(x, s) if dtype == torch.float8_e4m3fn else quantize_int8_ref(x, s)
 
 
 def dequantize_kv_ref(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """q [..., Hkv, D] fp8/int8 -> fp32 q * scale[h]: what the attention kernels read back."""
-    return q.float() * scale.float()[:, None]
+    """q [..., Hkv, D] fp8/int8 -> fp32 q * scale[h] (or scale[h, d]): the cached numbers' values."""
+    return q.float() * _broadcast(scale)
+
+
+def _broadcast(scale: torch.Tensor) -> torch.Tensor:
+    """[Hkv] -> [Hkv, 1] (broadcast over D); [Hkv, D] as it is. fp32 either way."""
+    return scale.float()[:, None] if scale.dim() == 1 else scale.float()
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:

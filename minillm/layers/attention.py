@@ -101,11 +101,14 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the cache (cache/spec.py)
-        # A quantized (fp8/int8) cache's per-KV-head scales, K and V (vLLM's k_scale/v_scale), fp32. Set
-        # by calibration (layers/quantization/kv_cache.py), which also records the qmax they are for;
-        # buffers, not parameters: no checkpoint has them. Tensors, so CUDA graphs read them live.
-        self.register_buffer("k_scale", torch.ones(num_kv_heads, dtype=torch.float32), persistent=False)
+        # A quantized (fp8/int8) cache's scales (vLLM's k_scale/v_scale), fp32: keys one per KV head and
+        # channel [Hkv, D] (keys have outlier channels), values one per KV head [Hkv]. Set by calibration
+        # (layers/quantization/kv_cache.py), which also records the qmax they are for; buffers, not
+        # parameters: no checkpoint has them. Tensors, so CUDA graphs read them live.
+        self.register_buffer("k_scale", torch.ones(num_kv_heads, head_dim, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(num_kv_heads, dtype=torch.float32), persistent=False)
+        # What the attention kernels get as their per-head K scale: 1, as k_scale is folded into q.
+        self.register_buffer("unit_k_scale", torch.ones(num_kv_heads, dtype=torch.float32), persistent=False)
         self.kv_scale_qmax: float | None = None  # None: not calibrated (a quantized cache is refused)
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
@@ -133,8 +136,11 @@ class Attention(nn.Module):
             if self.kv_scale_qmax is None:
                 raise RuntimeError(f"a {k_cache.dtype} KV cache is bound but this layer's k_scale/v_scale were "
                                    "never calibrated (minillm.layers.quantization.kv_cache.calibrate_kv_scales)")
-            scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
-        store_kv(k, v, k_cache, v_cache, m.slot_mapping, **scales)
+            store_kv(k, v, k_cache, v_cache, m.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
+            q = fold_k_scale(q, self.k_scale)  # the keys' per-channel scales, applied to the query instead
+            scales = dict(k_scale=self.unit_k_scale, v_scale=self.v_scale)
+        else:
+            store_kv(k, v, k_cache, v_cache, m.slot_mapping)
         triton = use_triton(q)
         if m.max_seqlen == 1:  # decode: one query per sequence over its whole cached past
             decode = flash_decode.flash_decode if triton else flash_decode.flash_decode_ref
@@ -158,6 +164,19 @@ class Attention(nn.Module):
         return out.transpose(0, 1).reshape(q.shape[1], self.num_heads * self.head_dim)  # [T, heads * head_dim]
 
 
+def fold_k_scale(q: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
+    """q [T, Hq, D] times the keys' per-channel scales k_scale [Hkv, D], each KV head's scales over
+    its group of query heads, in q's dtype. A score is a sum over channels,
+
+        q . (s * k_q) = sum_d q_d s_d k_q,d = (q * s) . k_q,
+
+    so attending with q * s over the stored codes k_q (a unit K scale in the kernels) is attending
+    with q over the dequantized keys: one multiply on the T queries instead of one per cached key."""
+    Hkv = k_scale.shape[0]
+    q_groups = q.unflatten(1, (Hkv, q.shape[1] // Hkv))  # [T, Hkv, group, D], a view: head h = kv * group + g
+    return (q_groups * k_scale[:, None, :]).flatten(1, 2).to(q.dtype)  # [T, Hq, D]
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
              v_scale: torch.Tensor | None = None) -> None:
@@ -169,7 +188,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
     On a GPU this is one Triton launch (`minillm.kernels.store_kv`, CUDA-graph capturable); elsewhere,
     or with MINILLM_KERNELS=torch, its PyTorch reference: index_copy_ into the caches viewed flat.
-    An fp8/int8 cache (chapter 08) is quantized on the way in with k_scale, v_scale (fp32 [Hkv]).
+    An fp8/int8 cache (chapter 08) is quantized on the way in with k_scale (fp32 [Hkv] or [Hkv, D])
+    and v_scale (fp32 [Hkv]).
     """
     (_store.store_kv if use_triton(k) else _store.store_kv_ref)(k, v, k_cache, v_cache, slot_mapping,
                                                                  k_scale, v_scale)

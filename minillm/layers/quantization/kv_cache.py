@@ -1,5 +1,6 @@
-"""A quantized KV cache: one byte per cached number (fp8 e4m3 or int8) instead of two, with one scale
-per layer, per KV head, for K and for V (vLLM's `kv_cache_dtype`, `k_scale`, `v_scale`).
+"""A quantized KV cache: one byte per cached number (fp8 e4m3 or int8) instead of two, with scales
+per layer calibrated on a few prompts: keys one per KV head and channel, values one per KV head
+(vLLM's `kv_cache_dtype`, `k_scale`, `v_scale`).
 
     LLM(kv_cache_dtype="fp8")        # or "fp8_e4m3" (the same), "int8"; "auto": the model's dtype
 
@@ -7,21 +8,35 @@ Decode reads every cached key and value once per step, so half the bytes per tok
 tokens in the same pool (the engine sizes it from the spec's bytes_per_token) and, for long contexts,
 up to half the attention time. What it costs is rounding: each cached number is stored as
 
-    q = round(x / s_h)    (fp8: the nearest e4m3 value, 3 mantissa bits; int8: an integer in -127..127)
+    q = round(x / s)    (fp8: the nearest e4m3 value, 3 mantissa bits; int8: an integer in -127..127)
 
-and read back as q * s_h, h the KV head. The scale s_h must fit the head's largest values: too small
-and they saturate, too large (the default 1.0 of an uncalibrated checkpoint is far too large for
-int8, and fp8 loses its subnormal end) and small values round to 0. So the scales are **calibrated**:
-run the model on a few prompts with a full-precision cache, record each head's largest |k| and |v|
-(after RoPE: what the cache really holds), and set
+and read back as q * s. The scale must fit the largest values it covers: too small and they
+saturate, too large (the default 1.0 of an uncalibrated checkpoint is far too large for int8, and
+fp8 loses its subnormal end) and small values round to 0. So the scales are **calibrated**: run the
+model on a few prompts with a full-precision cache, record the largest |k| and |v| (after RoPE: what
+the cache really holds), and set
 
-    s_h = margin * absmax_h / qmax          qmax = 448 (fp8 e4m3) or 127 (int8)
+    s = margin * absmax / qmax          qmax = 448 (fp8 e4m3) or 127 (int8)
 
 with a margin (1.25) for values a little beyond what the prompts showed; anything further out
-saturates rather than overflows. The scales are fp32 buffers of each attention layer, read by the
-kernels as tensors, so CUDA graphs capture them by address. LLM calibrates on text from the model's
-own tokenizer; an engine built without one (benchmarks, dummy weights) calibrates on random token
-ids when it allocates its cache (`ensure_kv_scales`).
+saturates rather than overflows.
+
+Over what is the absmax taken? Values: per KV head, s_v[h]. Keys: per KV head **and channel**,
+s_k[h, d]. Keys have outlier channels (KIVI, Liu et al. 2024; KVQuant, Hooper et al. 2024): a few
+channels of a head run several times larger than the rest, whatever the token, so one scale per head
+is set by those few and int8 spends most of its 255 levels on values the other channels never reach.
+RoPE rotates channel d with channel d + D/2 by a position-dependent angle, moving magnitude between
+the two as the position grows; the pair therefore shares one scale (the larger absmax of the two), or
+a position past the calibration prompts could saturate the channel that was small there.
+
+A per-channel key scale costs nothing in the attention kernels: a score is a sum over channels,
+q . (s * k_q) = (q * s) . k_q, so store_kv writes k / s_k (per channel) and the layer multiplies
+the queries by s_k (layers/attention.py: `fold_k_scale`) and hands the kernels a unit K scale. The
+value scale is the kernels' per-head one (values have no such channels; their scale multiplies the
+output). The scales are fp32 buffers of each attention layer, read by the kernels as tensors, so
+CUDA graphs capture them by address. LLM calibrates on text from the model's own tokenizer; an engine
+built without one (benchmarks, dummy weights) calibrates on random token ids when it allocates its
+cache (`ensure_kv_scales`).
 """
 
 from __future__ import annotations
@@ -104,8 +119,9 @@ def calibration_prompts(tokenizer=None, vocab_size: int | None = None, count: in
 def calibrate_kv_scales(model: torch.nn.Module, prompts: list[list[int]], dtype: torch.dtype,
                         margin: float = KV_SCALE_MARGIN) -> dict[str, torch.Tensor]:
     """Run the prompts through the model without a cache (every layer computes in the model's own
-    dtype), record each attention layer's per-head absmax of K and V, and set the layers' k_scale,
-    v_scale for `dtype` (fp8 e4m3 or int8). Returns {"k_absmax": [L, Hkv], "v_absmax": [L, Hkv]}."""
+    dtype), record each attention layer's absmax of K per KV head and RoPE channel pair and of V per
+    KV head, and set the layers' k_scale [Hkv, D], v_scale [Hkv] for `dtype` (fp8 e4m3 or int8).
+    Returns {"k_absmax": [L, Hkv, D], "v_absmax": [L, Hkv]}."""
     from ..attention import AttentionMetadata
 
     if dtype not in QMAX:
@@ -116,8 +132,8 @@ def calibrate_kv_scales(model: torch.nn.Module, prompts: list[list[int]], dtype:
     amax = {id(layer): [None, None] for layer in layers}
 
     def record(layer, args):  # forward pre-hook: args = (q, k, v, positions, attn_metadata)
-        for i, t in enumerate(args[1:3]):  # k, v: [T, Hkv, D], K already rotated
-            m = t.detach().abs().amax(dim=(0, 2)).float()  # [Hkv]
+        k, v = args[1].detach().float(), args[2].detach().float()  # [T, Hkv, D], K already rotated
+        for i, m in enumerate((k.abs().amax(dim=0), v.abs().amax(dim=(0, 2)))):  # [Hkv, D], [Hkv]
             seen = amax[id(layer)][i]
             amax[id(layer)][i] = m if seen is None else torch.maximum(seen, m)
 
@@ -133,12 +149,23 @@ def calibrate_kv_scales(model: torch.nn.Module, prompts: list[list[int]], dtype:
             h.remove()
     qmax = QMAX[dtype]
     for layer in layers:
-        for name, m in zip(("k_scale", "v_scale"), amax[id(layer)]):
-            # a head whose values are all 0 still gets a usable scale (any, its q is 0)
-            getattr(layer, name).copy_((m * margin / qmax).clamp_min(1e-8))
+        k_amax, v_amax = amax[id(layer)]
+        k_amax = rope_pair_max(k_amax)
+        amax[id(layer)][0] = k_amax
+        # a channel or head whose values were all 0 still gets a usable scale (any, its q is 0)
+        layer.k_scale.copy_((k_amax * margin / qmax).clamp_min(1e-8))
+        layer.v_scale.copy_((v_amax * margin / qmax).clamp_min(1e-8))
         layer.kv_scale_qmax = qmax
     return {"k_absmax": torch.stack([amax[id(x)][0] for x in layers]),
             "v_absmax": torch.stack([amax[id(x)][1] for x in layers])}
+
+
+def rope_pair_max(a: torch.Tensor) -> torch.Tensor:
+    """a [..., D] -> [..., D] with channels d and d + D/2 (a RoPE pair, "rotate half" layout) both
+    set to the larger of the two."""
+    half = a.shape[-1] // 2
+    m = torch.maximum(a[..., :half], a[..., half:])  # [..., D/2]
+    return torch.cat([m, m], dim=-1)
 
 
 @torch.inference_mode()
