@@ -59,6 +59,9 @@ class Sequence:
         self.spec_probs = None
         self.num_draft_computed = 0
         self.spec = SpecDecodeMetrics()
+        # min_acceptance_rate's back-off: the running acceptance rate, the current pause (output tokens)
+        # and the output length at which drafting resumes
+        self.spec_recent_rate, self.spec_pause, self.spec_resume_at = 1.0, 0, 0
 
     @property
     def finished(self) -> bool:

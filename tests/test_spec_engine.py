@@ -182,6 +182,47 @@ def test_drafts_switch_off_for_a_large_batch_and_requests_that_need_plain_steps(
     assert engine.engine_stats.spec.num_drafts == 0
 
 
+def test_back_off_pauses_a_sequence_whose_drafts_fail(seed, tok):
+    """min_acceptance_rate: zero-acceptance verifies pause drafting 8, 16, 32, ... 128 output tokens; a probe
+    that is accepted ends the back-off. Through the engine: fewer drafts, the same tokens as plain decoding."""
+    from types import SimpleNamespace
+
+    from minillm.engine.spec_decode_steps import SpecDecodeSteps
+    from minillm.sequence import Sequence
+
+    host = SimpleNamespace(spec_config=SpeculativeConfig.from_dict(
+        {"method": "ngram", "num_speculative_tokens": 4, "min_acceptance_rate": 0.3}))
+    seq = Sequence(0, [1, 2, 3], SamplingParams(), 0, None, [], 10**6)
+    SpecDecodeSteps._back_off(host, seq, 4, 0)  # 1.0 -> 0.5: still drafting
+    assert seq.spec_resume_at == 0
+    pauses = []
+    for _ in range(6):
+        SpecDecodeSteps._back_off(host, seq, 4, 0)
+        pauses.append(seq.spec_resume_at - len(seq.output_ids))
+        seq.output_ids += [5] * pauses[-1]  # the pause passes
+    assert pauses == [8, 16, 32, 64, 128, 128]
+    SpecDecodeSteps._back_off(host, seq, 4, 3)  # a good probe: drafting goes on, the next pause starts at 8
+    assert seq.spec_pause == 0 and seq.spec_resume_at <= len(seq.output_ids)
+
+    rng = random.Random(seed)
+    model, config = random_model(rng)  # random weights: n-gram drafts are almost never right
+    prompts = [[rng.randrange(config.vocab_size) for _ in range(4)] * 4 for _ in range(3)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+    def run(rate):
+        engine = LLMEngine(model, tok, [], EngineConfig(num_gpu_blocks=128, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "min_acceptance_rate": rate}))
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": p}, params)
+        got = drain(engine)
+        return [got[str(i)][0] for i in range(len(prompts))], engine.engine_stats.spec
+
+    always, eager = run(None)
+    backed_off, calm = run(0.5)
+    assert always == backed_off == [alone(model, tok, p, params)[0] for p in prompts]
+    assert eager.acceptance_rate < 0.5 and 0 < calm.num_drafts < eager.num_drafts / 2, (calm.num_drafts, eager.num_drafts)
+
+
 @pytest.mark.parametrize("method", ["ngram", "layer_skip", "draft"])
 def test_seeded_sampling_with_drafts_is_the_same_alone_and_batched(seed, tok, method):
     rng = random.Random(seed + 3)
@@ -231,6 +272,8 @@ def test_request_outputs_and_stats_carry_the_acceptance(seed, tok):
     ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown key"),
     ({"method": "layer_skip", "num_speculative_tokens": 2}, "needs num_draft_layers"),
     ("ngram", "must be a dict"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 1.5}, "min_acceptance_rate"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": "0.3"}, "min_acceptance_rate"),
 ])
 def test_bad_speculative_configs_are_refused(spec, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -333,5 +376,8 @@ def test_cli_flags_make_the_speculative_config():
     args = parse(["chat", "--speculative-model", "draft.gguf", "--num-speculative-tokens", "2"])
     assert SpeculativeConfig.from_dict(from_cli_args(args)).method == "draft_model"
     assert from_cli_args(parse(["generate", "hi"])) is None
+    args = parse(["generate", "hi", "--speculative-method", "ngram", "--num-speculative-tokens", "3",
+                  "--speculative-min-acceptance-rate", "0.25"])
+    assert SpeculativeConfig.from_dict(from_cli_args(args)).min_acceptance_rate == 0.25
     with pytest.raises(ValueError, match="need --speculative-method"):
         from_cli_args(parse(["generate", "hi", "--num-speculative-tokens", "2"]))

@@ -71,7 +71,7 @@ def prompts(kind: str) -> list[str]:
                f"\n\n```python\n{FUNCTION}\n```"])
 
 
-def configs(k: list[int], draft_layers: list[int], draft_model, disable_by_batch_size=None):
+def configs(k: list[int], draft_layers: list[int], draft_model, disable_by_batch_size=None, min_acceptance_rate=None):
     """(label, speculative_config) per configuration, plain decoding first."""
     out = [("plain", None)]
     out += [(f"ngram k={n}", {"method": "ngram", "num_speculative_tokens": n, "prompt_lookup_max": 3}) for n in k]
@@ -82,6 +82,9 @@ def configs(k: list[int], draft_layers: list[int], draft_model, disable_by_batch
     if disable_by_batch_size is not None:  # the adaptive setting: no drafts in larger batches
         out = [(f"{name} off>{disable_by_batch_size}" if spec else name,
                 spec and spec | {"disable_by_batch_size": disable_by_batch_size}) for name, spec in out]
+    if min_acceptance_rate is not None:  # and per sequence: pause drafting where it is not accepted
+        out = [(f"{name} backoff<{min_acceptance_rate}" if spec else name,
+                spec and spec | {"min_acceptance_rate": min_acceptance_rate}) for name, spec in out]
     return out
 
 
@@ -139,7 +142,7 @@ def serve(engine: LLMEngine, ids: list[list[int]], max_tokens: int, tag: str) ->
 
 
 def run(model=None, *, k=(2, 4), draft_layers=(8,), draft_model=None, batch_sizes=None, max_tokens=None,
-        disable_by_batch_size=None, device=None, json_path=None, **engine_args) -> dict:
+        disable_by_batch_size=None, min_acceptance_rate=None, device=None, json_path=None, **engine_args) -> dict:
     device = default_device() if device is None else torch.device(device)
     gpu = device.type == "cuda"
     batch_sizes = list(batch_sizes or ([1, 8, 64] if gpu else [1, 2]))
@@ -152,7 +155,7 @@ def run(model=None, *, k=(2, 4), draft_layers=(8,), draft_model=None, batch_size
     eos = sorted(set(models.config.eos_token_ids or []))
     rows = []
     layers = [L for L in draft_layers if L < models.config.num_layers]
-    for name, spec in configs(list(k), layers, draft_model, disable_by_batch_size):
+    for name, spec in configs(list(k), layers, draft_model, disable_by_batch_size, min_acceptance_rate):
         engine = LLMEngine(models.model, tok, eos, EngineConfig(speculative_config=spec, **engine_args),
                            progress=False)
         engine.warm_up(max_prompt_len=max(len(p) for v in ids.values() for p in v))
@@ -188,5 +191,7 @@ def add_arguments(parser, name: str) -> None:
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
                         help="the adaptive setting: no drafts in steps with more running sequences")
+    parser.add_argument("--min-acceptance-rate", type=float, default=None,
+                        help="per sequence: pause drafting while its recent acceptance rate is lower")
     parser.add_argument("--device", default=None)
     parser.add_argument("--json", dest="json_path", default=None)

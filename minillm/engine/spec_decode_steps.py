@@ -29,10 +29,11 @@ class SpecDecodeSteps:
     def _num_lookahead(self, seq: Sequence, batch_size: int) -> int:
         """Draft tokens seq may carry this step: k (0 when the batch is too large, see
         SpeculativeConfig.disable_by_batch_size), fewer near max_tokens or the context's end (a step
-        emits at most k + 1 tokens), none when its distribution depends on the tokens accepted."""
+        emits at most k + 1 tokens), none when its distribution depends on the tokens accepted, or
+        while its drafting is paused (SpeculativeConfig.min_acceptance_rate, `_back_off`)."""
         k, p = self.spec_config.speculative_tokens(batch_size), seq.params
         if k == 0 or p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty \
-                or p.frequency_penalty or len(seq.output_ids) < p.min_tokens:
+                or p.frequency_penalty or len(seq.output_ids) < max(p.min_tokens, seq.spec_resume_at):
             return 0
         left = self.max_model_len - seq.num_tokens - 1
         if p.max_tokens is not None:
@@ -99,12 +100,28 @@ class SpecDecodeSteps:
                 continue
             seq.spec.record(k, len(tokens) - 1)
             self.engine_stats.spec.record(k, len(tokens) - 1)
+            self._back_off(seq, k, len(tokens) - 1)
             for t in tokens:  # one by one: EOS, a stop string or max_tokens may end it inside the run
                 seq.append(t)
                 self.engine_stats.num_generation_tokens += 1
                 if seq.finished:
                     break
             self._rollback(seq, len(tokens) - 1)
+
+    def _back_off(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """min_acceptance_rate: a sequence whose running acceptance rate falls below it pauses drafting,
+        8 output tokens the first time, twice as long each time in a row (at most 128); the verify after
+        a pause starts the average at the floor, so that one step decides again."""
+        floor = self.spec_config.min_acceptance_rate
+        if floor is None:
+            return
+        seq.spec_recent_rate = 0.5 * seq.spec_recent_rate + 0.5 * accepted / drafted
+        if seq.spec_recent_rate >= floor:
+            seq.spec_pause = 0
+            return
+        seq.spec_pause = min(2 * seq.spec_pause or 8, 128)
+        seq.spec_resume_at = len(seq.output_ids) + seq.spec_pause
+        seq.spec_recent_rate = floor
 
     def _rollback(self, seq: Sequence, accepted: int) -> None:
         """After a verify: the K/V of the last token and the accepted drafts stand; the rest is past
