@@ -74,7 +74,7 @@ class AsyncLLMEngine:
         self.make_engine, self.warm_up, self.on_finished = make_engine, warm_up, on_finished
         self.engine_core = engine_core
         self.core = (ProcCore if engine_core == "process" else InprocCore)(self)
-        self._streams: dict[str, tuple[asyncio.Queue, list[int], float]] = {}  # event loop side only
+        self._streams: dict[str, tuple[asyncio.Queue | Inbox, list[int], float]] = {}  # event loop side only
         self.loop: asyncio.AbstractEventLoop | None = None
         self.ready_event = threading.Event()
         self.engine = None  # the LLMEngine (thread) or an EngineView (process): read here for its fixed parts
@@ -112,8 +112,9 @@ class AsyncLLMEngine:
         return self.engine.check_request(request_id, prompt, params)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    out: asyncio.Queue | None = None) -> asyncio.Queue:
-        """Queue a checked request; its deltas arrive on `out` (several requests may share one)."""
+                    out: asyncio.Queue | Inbox | None = None) -> asyncio.Queue | Inbox:
+        """Queue a checked request; its deltas arrive on `out` (anything with put_nowait; several
+        requests may share one)."""
         self.check_ready()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -221,7 +222,7 @@ class RequestStream:
     requests that have not finished."""
 
     def __init__(self, engine: AsyncLLMEngine, requests: list[tuple[str, list[int], SamplingParams]]):
-        self._engine, self._out, self.pending = engine, asyncio.Queue(), set()
+        self._engine, self._out, self.pending = engine, Inbox(), set()
         try:
             for rid, ids, params in requests:
                 engine.add_request(rid, ids, params, self._out)
@@ -237,12 +238,10 @@ class RequestStream:
         if not self.pending:
             raise StopAsyncIteration
         try:
-            batch = [await self._out.get()]
+            batch = await self._out.take()
         except BaseException:  # cancelled: nobody will read the rest
             self.close()
             raise
-        while not self._out.empty():
-            batch.append(self._out.get_nowait())
         for delta in batch:
             if delta.finished:
                 self.pending.discard(delta.request_id)
@@ -258,6 +257,33 @@ class RequestStream:
 
     def __del__(self):
         self.close()
+
+
+class Inbox:
+    """Deltas delivered to some requests and not read yet: a list and at most one waiter. (An
+    asyncio.Queue does the same with a future per get and a wake-up per put: per token, on the loop.)"""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self):
+        self.items: list = []
+        self.waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self) -> list:
+        """Everything delivered so far, waiting for the first if there is none."""
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
 
 
 def coalesce(batch: list[RequestOutput]) -> list[RequestOutput]:
