@@ -196,6 +196,10 @@ def test_bad_requests_refused_before_queueing(folder, core):
         engine.add_request("dup", [1, 2], SamplingParams(max_tokens=2))
         with pytest.raises(ValueError, match="already in use"):
             engine.add_request("dup", [1, 2], SamplingParams(max_tokens=2))
+        # one that skipped the check (a race, a bug): the engine refuses it, and its stream ends with why
+        batches = [b async for b in engine.stream_batches([("unchecked", [10**6], SamplingParams(max_tokens=2))])]
+        assert [d.outputs[0].finish_reason for b in batches for d in b] == ["error"]
+        assert "outside the vocabulary" in batches[0][0].error
         _, _, _, finished = await drain(engine, [("ok", [1, 2, 3], SamplingParams(max_tokens=3))])
         return finished
 
