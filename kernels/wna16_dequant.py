@@ -39,9 +39,13 @@ def _dequant_kernel(
         g = (2 * offs_j) // group_size  # both nibbles of a byte are in one group (G is even)
         s = tl.load(S + rows * stride_sn + g[None, :], mask=ok, other=0.0).to(tl.float32)
         m = tl.load(Mins + rows * stride_sn + g[None, :], mask=ok, other=0.0).to(tl.float32)
-        out = W + rows * K + 2 * offs_j[None, :]
-        tl.store(out, ((packed & 0xF).to(tl.float32) * s + m).to(W.dtype.element_ty), mask=ok)  # even k
-        tl.store(out + 1, ((packed >> 4).to(tl.float32) * s + m).to(W.dtype.element_ty), mask=ok)  # odd k
+        lo = ((packed & 0xF).to(tl.float32) * s + m).to(W.dtype.element_ty)  # [BLOCK_N, BLOCK_K / 2]: even k
+        hi = ((packed >> 4).to(tl.float32) * s + m).to(W.dtype.element_ty)  # odd k
+        # interleaved back into k order in registers, so the tile is stored as contiguous rows (two stores
+        # at a stride of two elements would each fill half of every memory sector they touch)
+        w = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])  # [BLOCK_N, BLOCK_K / 2, 2] -> [BLOCK_N, BLOCK_K]
+        offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        tl.store(W + rows * K + offs_k[None, :], w, mask=n_ok[:, None] & (offs_k < K)[None, :])
     else:
         offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         ok = n_ok[:, None] & (offs_k < K)[None, :]
