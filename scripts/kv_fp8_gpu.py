@@ -3,7 +3,7 @@
     python scripts/kv_fp8_gpu.py decode    OUT   # decode attention, bf16 vs fp8 vs int8 KV: batch 32, ctx 4k
     python scripts/kv_fp8_gpu.py gemm      OUT   # FP8 W8A8 (+ activation quantization) vs bf16 cuBLAS
     python scripts/kv_fp8_gpu.py capacity  OUT   # KV pool: max concurrent tokens, bf16 vs fp8 vs int8 KV
-    python scripts/kv_fp8_gpu.py agreement OUT   # embedded model, greedy, bf16 KV vs fp8/int8 KV
+    python scripts/kv_fp8_gpu.py agreement OUT   # embedded model, free-running greedy, bf16/fp32 KV vs fp8/int8
 
 Sizes shrink on a CPU (Triton's interpreter) so that the script itself can be checked there; the
 numbers only mean something on the GPU. Times are medians of triton.testing.do_bench (CUDA events).
@@ -161,37 +161,30 @@ def capacity(out: Path) -> dict:
     return result
 
 
-# ---- the embedded model's greedy tokens, bf16 KV vs fp8 / int8 KV -----------------------------------------------
-
-PROMPTS = ["The capital of France is", "Write a haiku about autumn.", "What is 12 times 7?",
-           "Explain what a KV cache is in one paragraph.", "List three colors of the rainbow.",
-           "def fibonacci(n):", "Once upon a time, in a small village,", "Translate 'good morning' into Spanish."]
+# ---- the embedded model's greedy tokens, full-precision KV vs fp8 / int8 KV --------------------------------
 
 
 def agreement(out: Path) -> dict:
-    from minillm import LLM, SamplingParams
+    """Free-running greedy agreement (minillm.eval.kv_agreement: 8 prompts x 64 tokens): the bf16 model
+    (what LLM() runs on a GPU) with its bf16 cache vs fp8/int8, and the fp32 model with its fp32 cache
+    vs fp8/int8 and vs a bf16 cache (the control), as on a CPU."""
+    from dataclasses import asdict
 
-    sp = SamplingParams(max_tokens=64 if GPU else 8, temperature=0.0, ignore_eos=True)
-    runs, llms = {}, {}
-    for kv in ("auto", "fp8", "int8"):
-        llm = LLM(max_num_seqs=8, kv_cache_dtype=kv)
-        prompts = [{"prompt_token_ids": llm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                                                          add_generation_prompt=True, tokenize=True)}
-                   for p in PROMPTS]
-        runs[kv] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-        llms[kv] = llm
-    base, rows = runs["auto"], []
-    for kv in ("fp8", "int8"):
-        total = sum(len(s) for s in base)
-        same = sum(x == y for s, t in zip(runs[kv], base) for x, y in zip(s, t))
-        prefix = sum(next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(s))
-                     for s, t in zip(runs[kv], base))
-        rows.append({"kv_cache_dtype": kv, "tokens": total, "same_position": same / total,
-                     "before_first_difference": prefix / total})
-        print(f"{kv}: {same / total:.1%} of {total} greedy tokens identical to bf16 KV's, "
-              f"{prefix / total:.1%} before each prompt's first difference")
-    result = {**header(), "model": "embedded SmolLM2-135M", "dtype": str(llms["auto"].dtype), "rows": rows,
-              "tokens": runs}
+    from minillm import LLM
+    from minillm.eval.kv_agreement import kv_greedy_agreement
+
+    rows = []
+    for dtype in ("bfloat16", "float32") if GPU else ("float32",):
+        llm = LLM(dtype=dtype, enable_kv_cache=False)
+        for r in kv_greedy_agreement(llm, max_tokens=64 if GPU else 8):
+            rows.append({"model_dtype": dtype, **asdict(r)})
+            print(f"{dtype} model, {r.kv_cache_dtype} KV: {r.same_position:.1%} of {r.tokens} greedy tokens identical "
+                  f"to the {dtype} cache's, {r.before_first_divergence:.1%} before each prompt's first difference; "
+                  f"first differences at {r.first_divergence}, margins there "
+                  f"{[m if m is None else round(m, 3) for m in r.divergence_margin]}")
+        del llm
+    result = {**header(), "model": "embedded SmolLM2-135M-Instruct", "key_scales": "per KV head and channel",
+              "rows": rows}
     (out / "kv_greedy_agreement.json").write_text(json.dumps(result, indent=1))
     return result
 

@@ -5,7 +5,7 @@
 #   OUT=... scripts/kv_fp8_gpu.sh tests        # ~3 min: kernel + engine tests for KV fp8/int8, FP8 W8A8
 #   OUT=... scripts/kv_fp8_gpu.sh bench        # ~5 min: decode attention, FP8 GEMM sweep, KV pool capacity
 #   OUT=... scripts/kv_fp8_gpu.sh throughput   # ~6 min: `minillm bench throughput` (Qwen3-0.6B dummy), bf16 vs fp8 KV
-#   OUT=... scripts/kv_fp8_gpu.sh agreement    # ~1 min: the embedded model's greedy tokens, bf16 vs fp8/int8 KV
+#   OUT=... scripts/kv_fp8_gpu.sh agreement    # ~2 min: the embedded model free-running greedy, bf16/fp32 KV vs fp8/int8 KV
 set -uo pipefail
 OUT=${OUT:-/tmp/kvfp8-out}; mkdir -p "$OUT"
 case "${1:-}" in
