@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ..hw import ceilings, default_device, device_name, time_it
 from ..kernels.fused_moe import fused_experts, fused_experts_ref
 from ..kernels.mla_decode import mla_decode
+from ..notebook import header_line
 from .table import print_table
 
 # name: (experts, top_k, hidden, expert intermediate)
@@ -132,6 +133,8 @@ def run(device=None, quick: bool = False, json: str | None = None) -> dict:
     dtype = torch.bfloat16 if gpu else torch.float32
     grid = _grids(gpu, quick)
     ceil = ceilings(device)
+    line = header_line()  # device, versions, date: stored with the numbers
+    print(line)
     print_table([ceil.as_dict()], title="measured ceilings")
     where = device_name(device) + ("" if gpu else ", Triton interpreter: these times measure the interpreter")
     torch.manual_seed(0)
@@ -144,7 +147,7 @@ def run(device=None, quick: bool = False, json: str | None = None) -> dict:
     print_table(moe, title=f"fused MoE vs per-expert loop vs dense GEMMs of the same FLOPs, {where}")
     print_table(skew, title=f"routing skew (fraction of tokens on the same top-k experts), {where}")
     print_table(mla, title=f"paged MLA decode (absorbed) GB/s vs copy, and vs the naive path, {where}")
-    result = {"device": where, "dtype": str(dtype).removeprefix("torch."), "interpreted": not gpu,
+    result = {"header": line, "device": where, "dtype": str(dtype).removeprefix("torch."), "interpreted": not gpu,
               "ceilings": ceil.as_dict(), "moe": moe, "skew": skew, "mla": mla}
     if json:
         import json as _json
