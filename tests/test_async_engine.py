@@ -11,6 +11,7 @@ import asyncio
 import os
 import random
 import signal
+import threading
 import time
 from functools import partial
 
@@ -20,6 +21,7 @@ from serve_utils import CONTEXT, engine_factory, failing_steps, no_model
 
 from minillm import LLM, SamplingParams
 from minillm.engine.async_llm_engine import AsyncLLMEngine, EngineNotReady, FinishedStats, coalesce
+from minillm.engine.core_client import FrameReader, write_frame
 from minillm.outputs import CompletionOutput, RequestOutput
 
 CORES = ["thread", "process"]
@@ -308,3 +310,32 @@ def test_coalesce_keeps_every_stream(seed):
         i += n
     assert put_together(windows) == put_together([[d] for d in deltas])
     assert sum(map(len, windows)) < len(deltas)
+
+
+def test_frames_arrive_whole_over_many_reads(seed):
+    """The core's messages through a real pipe read without blocking (as the event loop reads it):
+    messages larger than the pipe (the first carries the tokenizer) come in pieces, small ones many
+    to a read; each is read once, whole and in order, and the writer's close is seen."""
+    rng = random.Random(seed)
+    messages = [("out", [rng.randbytes(rng.choice([10, 5000, 3 << 20]))], i) for i in range(12)]
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+
+    def write():
+        for m in messages:
+            write_frame(w, m)
+        os.close(w)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    reader, got, eof, reads = FrameReader(), [], False, 0
+    deadline = time.monotonic() + 30
+    while not eof:
+        assert time.monotonic() < deadline
+        batch, eof = reader.read(r)
+        got += batch
+        reads += 1
+        time.sleep(0.001)
+    writer.join()
+    os.close(r)
+    assert got == messages and not reader.buf and reads > 1

@@ -27,6 +27,8 @@ import contextlib
 import fcntl
 import logging
 import multiprocessing as mp
+import os
+import pickle
 import queue
 import signal
 import threading
@@ -104,6 +106,7 @@ class ProcCore:
         self.front = front
         self.proc = None
         self._cmd_conn = self._out_conn = None
+        self._frames = FrameReader()
         self._pending: list[tuple] = []
         self._flush_scheduled, self._stopping, self._ended = False, False, False
 
@@ -118,6 +121,7 @@ class ProcCore:
         self.proc.start()
         cmd_r.close()  # the child's ends: closed here, so its death is an end-of-file
         out_w.close()
+        os.set_blocking(self._out_conn.fileno(), False)  # read what is there, never wait for the rest
         self.front.loop.add_reader(self._out_conn.fileno(), self._on_readable)
 
     @property
@@ -143,22 +147,21 @@ class ProcCore:
     def _on_readable(self) -> None:
         """On the loop, once per wake-up: every message the core has queued, delivered in one go (a
         loop that fell behind gets several steps at once; the streams coalesce them)."""
-        front, batch, eof = self.front, [], False
-        try:
-            while self._out_conn.poll():
-                msg = self._out_conn.recv()
-                if msg[0] == "out":
-                    front.load = msg[2]
-                    batch += decode(msg[1], front.prompt_ids)
-                elif msg[0] == "ready":
-                    front.engine, front.warm_up_seconds = msg[1], msg[2]
-                    front.ready_event.set()
-                elif msg[0] == "load_error":
-                    front.load_failed(msg[1])
-                elif msg[0] == "dead":
-                    front.dead = msg[1]
-        except (EOFError, OSError):
-            eof = True
+        if self._ended:
+            return
+        front, batch = self.front, []
+        messages, eof = self._frames.read(self._out_conn.fileno())
+        for msg in messages:
+            if msg[0] == "out":
+                front.load = msg[2]
+                batch += decode(msg[1], front.prompt_ids)
+            elif msg[0] == "ready":
+                front.engine, front.warm_up_seconds = msg[1], msg[2]
+                front.ready_event.set()
+            elif msg[0] == "load_error":
+                front.load_failed(msg[1])
+            elif msg[0] == "dead":
+                front.dead = msg[1]
         if batch:
             front.deliver(batch)
         if eof:
@@ -201,6 +204,44 @@ def _widen(conn) -> None:
         fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, OUT_PIPE_BYTES)
 
 
+class FrameReader:
+    """The API side of the core's pipe: length-prefixed pickles (write_frame), read from a
+    non-blocking descriptor as they come. A message longer than what the pipe holds (the first,
+    with the tokenizer) arrives over several wake-ups; nothing waits for its rest."""
+
+    def __init__(self):
+        self.buf = bytearray()
+
+    def read(self, fd: int) -> tuple[list, bool]:
+        """-> (every complete message now readable, whether the writer has closed its end)."""
+        eof = False
+        try:
+            while chunk := os.read(fd, OUT_PIPE_BYTES):
+                self.buf += chunk
+            eof = True  # b"": the core's end is closed
+        except BlockingIOError:  # nothing more for now
+            pass
+        except OSError:
+            eof = True
+        messages, pos, buf = [], 0, self.buf
+        while len(buf) - pos >= 8:
+            n = int.from_bytes(buf[pos : pos + 8], "little")
+            if len(buf) - pos - 8 < n:
+                break
+            messages.append(pickle.loads(buf[pos + 8 : pos + 8 + n]))
+            pos += 8 + n
+        del buf[:pos]
+        return messages, eof
+
+
+def write_frame(fd: int, msg) -> None:
+    """The core's side: one message, pickled, behind its length (blocking until all of it is written)."""
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(len(data).to_bytes(8, "little") + data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 class EngineView:
     """What the API process needs of an engine that lives in another process, all fixed once it is
     built: the tokenizer, the limits, and LLMEngine.check_request itself (it reads only these)."""
@@ -231,9 +272,12 @@ def run_core_process(make_engine, warm_up, cmd_conn, out_conn, log_level: int) -
     commands: queue.Queue = queue.Queue()
     threading.Thread(target=_read_commands, args=(cmd_conn, commands), name="minillm-core-reader", daemon=True).start()
 
+    out_fd = out_conn.fileno()
+    os.set_blocking(out_fd, True)
+
     def send(msg) -> None:
         try:
-            out_conn.send(msg)
+            write_frame(out_fd, msg)
         except OSError:  # the API process is gone: stop, aborting everything
             commands.put(("stop", True))
 
