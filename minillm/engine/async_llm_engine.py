@@ -198,6 +198,7 @@ class AsyncLLMEngine:
         """On the loop: the core stopped for good (it failed, or its process died). Every stream still
         open ends with the error; then on_dead."""
         self.dead = self.dead or reason
+        logger.error("the engine core stopped serving: %s", self.dead)
         self.deliver([failed_output(rid, ids, self.dead, arrival) for rid, (_, ids, arrival) in self._streams.items()])
         if self._on_dead is not None:
             self._on_dead()

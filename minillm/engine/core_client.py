@@ -13,7 +13,8 @@
     streams <── _deliver <── add_reader wakes the loop <── pipe <── ("out", deltas, load)
                               (drains every message queued)        one message per engine pass
 
-Each message is pickled plain tuples (engine_core.encode). The core's reader thread always drains the
+Each message out is pickled plain tuples (engine_core.encode) behind their length, read by the loop
+without ever blocking (FrameReader: a message larger than the pipe arrives over several wake-ups). The core's reader thread always drains the
 command pipe, so the loop's writes never wait on a step. If the core process dies, its pipe's end
 closes: the loop sees end-of-file, marks the engine dead and ends every stream with an error. If the
 API process dies, the core sees end-of-file on its command pipe, aborts everything and exits; as a
