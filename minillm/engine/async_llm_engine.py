@@ -43,7 +43,7 @@ from contextlib import aclosing
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling import SamplingParams
 from .core_client import ENGINE_CORES, InprocCore, ProcCore
-from .engine_core import EngineLoad, FinishedStats, failed_output
+from .engine_core import EngineLoad, FinishedStats, decode, failed_row
 
 __all__ = ["AsyncLLMEngine", "EngineLoad", "EngineNotReady", "FinishedStats", "RequestStream", "coalesce"]
 
@@ -199,7 +199,8 @@ class AsyncLLMEngine:
         open ends with the error; then on_dead."""
         self.dead = self.dead or reason
         logger.error("the engine core stopped serving: %s", self.dead)
-        self.deliver([failed_output(rid, ids, self.dead, arrival) for rid, (_, ids, arrival) in self._streams.items()])
+        self.deliver(decode([failed_row(rid, len(ids), self.dead, arrival) for rid, (_, ids, arrival)
+                             in self._streams.items()], self.prompt_ids))
         if self._on_dead is not None:
             self._on_dead()
 

@@ -13,7 +13,7 @@
     streams <── _deliver <── add_reader wakes the loop <── pipe <── ("out", deltas, load)
                               (drains every message queued)        one message per engine pass
 
-Each message out is pickled plain tuples (engine_core.encode) behind their length, read by the loop
+Each message out is pickled plain tuples (engine_core's rows) behind their length, read by the loop
 without ever blocking (FrameReader: a message larger than the pipe arrives over several wake-ups). The core's reader thread always drains the
 command pipe, so the loop's writes never wait on a step. If the core process dies, its pipe's end
 closes: the loop sees end-of-file, marks the engine dead and ends every stream with an error. If the
@@ -36,7 +36,7 @@ import threading
 from types import SimpleNamespace
 
 from .block_manager import BlockManager
-from .engine_core import EngineCore, decode, encode
+from .engine_core import EngineCore, decode
 from .llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -86,10 +86,10 @@ class InprocCore:
         front.engine = engine
         front.ready_event.set()
 
-        def publish(batch, load):
+        def publish(rows, load):
             front.load = load  # the load first: a client that sees a delta sees its step's load
-            if batch:
-                front.call_soon(front.deliver, batch)
+            if rows:  # turned into RequestOutputs here, off the event loop
+                front.call_soon(front.deliver, decode(rows, front.prompt_ids))
 
         def fatal(reason):
             front.dead = reason  # before the last deliveries: nobody may add to a dead core
@@ -289,7 +289,7 @@ def run_core_process(make_engine, warm_up, cmd_conn, out_conn, log_level: int) -
         send(("load_error", f"{type(e).__name__}: {e}"))
         return
     send(("ready", EngineView(engine), warm_up_seconds))
-    core = EngineCore(engine, commands, lambda batch, load: send(("out", encode(batch), load)),
+    core = EngineCore(engine, commands, lambda rows, load: send(("out", rows, load)),
                       lambda reason: send(("dead", reason)))
     if core.run() is None:
         engine.shutdown()

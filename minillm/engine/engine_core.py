@@ -10,10 +10,11 @@ sides speak plain tuples, so the same loop serves both:
     in   ("add", request_id, prompt_ids, params, arrival)    a checked request
          ("abort", [request_id, ...])                         its client went away: free its blocks
          ("stop", abort_all)                                  end once nothing runs (abort_all: now)
-    out  publish(deltas, load) after every pass               every request's new tokens, one call
+    out  publish(rows, load) after every pass                 every request's new tokens, one call
 
-A delta is a RequestOutput holding only what is new since the last one (vLLM's
-RequestOutputKind.DELTA). Text comes from Sequence.stream_delta, which holds back what could still be
+A row is one request's delta as a plain tuple (`decode` turns rows into RequestOutputs): only what is
+new since the last one (vLLM's RequestOutputKind.DELTA). Tuples, because in process mode every row
+crosses a pipe each step: pickled, they are 4x smaller and faster than the objects. Text comes from Sequence.stream_delta, which holds back what could still be
 the start of a stop string, so a stop string never reaches a client. A request's last delta has
 finished=True and a FinishedStats as `metrics`. A request whose step failed ends with finish_reason
 "error" and RequestOutput.error; an aborted one with "abort", its blocks freed before the next step.
@@ -71,7 +72,9 @@ class _Tracked:
         self.sent = [0] * len(group.seqs)  # output tokens already handed out, per sequence
         self.done = [False] * len(group.seqs)
 
-    def delta(self) -> RequestOutput | None:
+    def row(self) -> tuple | None:
+        """(request id, finished, error, FinishedStats or None, [(index, text, token ids, cumulative
+        logprob, logprobs, finish reason, stop reason) per completion with news]), or None: no news."""
         outs = []
         for i, seq in enumerate(self.group.seqs):
             if self.done[i]:
@@ -82,14 +85,12 @@ class _Tracked:
                 continue
             logprobs = seq.logprobs[start:n] if seq.logprobs is not None else None
             self.sent[i], self.done[i] = n, seq.finished
-            outs.append(CompletionOutput(seq.index, text, seq.output_ids[start:n],
-                                         seq.cumulative_logprob if logprobs is not None else None, logprobs,
-                                         seq.finish_reason, seq.stop_reason))
+            outs.append((seq.index, text, seq.output_ids[start:n], seq.cumulative_logprob if logprobs is not None
+                         else None, logprobs, seq.finish_reason, seq.stop_reason))
         if not outs:
             return None
         finished = all(self.done)
-        return RequestOutput(self.group.request_id, None, self.group.prompt_ids, outs, finished=finished,
-                             metrics=self.stats() if finished else None, error=self.group.error)
+        return self.group.request_id, finished, self.group.error, self.stats() if finished else None, outs
 
     def stats(self) -> FinishedStats:
         seqs, m = self.group.seqs, self.group.metrics
@@ -100,14 +101,14 @@ class _Tracked:
 
 
 class EngineCore:
-    def __init__(self, engine, commands: queue.Queue, publish: Callable[[list[RequestOutput], EngineLoad], None],
+    def __init__(self, engine, commands: queue.Queue, publish: Callable[[list[tuple], EngineLoad], None],
                  on_fatal: Callable[[str], None] = lambda reason: None):
-        """publish(deltas, load) is called after every pass, deltas possibly empty. on_fatal(reason) is
+        """publish(rows, load) is called after every pass, rows possibly empty. on_fatal(reason) is
         called when the loop itself fails (a bug outside any one request's step), before the last
         publish ends every request with the error: whoever serves must refuse new requests first."""
         self.engine, self.commands, self.publish, self.on_fatal = engine, commands, publish, on_fatal
         self.tracked: dict[str, _Tracked] = {}
-        self._refused: list[RequestOutput] = []  # adds the engine refused: ended at the next publish
+        self._refused: list[tuple] = []  # rows of adds the engine refused: ended at the next publish
 
     def run(self) -> str | None:
         """Serve until stopped. -> None, or why the loop failed (every request was ended with it)."""
@@ -158,7 +159,7 @@ class EngineCore:
             try:
                 engine.add_request(rid, {"prompt_token_ids": ids}, params)
             except Exception as e:  # checked before it was sent, so this is a race or a bug: end it cleanly
-                self._refused.append(failed_output(rid, ids, e, arrival))
+                self._refused.append(failed_row(rid, len(ids), e, arrival))
                 return False
             self.tracked[rid] = _Tracked(engine.groups[rid], arrival)
         elif cmd[0] == "abort":
@@ -182,10 +183,10 @@ class EngineCore:
         batch, running, waiting = self._refused, 0, 0
         self._refused = []
         for rid, tr in list(self.tracked.items()):
-            delta = tr.delta()
-            if delta is not None:
-                batch.append(delta)
-                if delta.finished:
+            row = tr.row()
+            if row is not None:
+                batch.append(row)
+                if row[1]:  # finished
                     del self.tracked[rid]
                     continue
             if any(s.status is SequenceStatus.RUNNING for s in tr.group.seqs):
@@ -197,23 +198,14 @@ class EngineCore:
                                        self.engine.engine_stats.as_dict()))
 
 
-def failed_output(rid: str, ids: list[int], error: Exception | str, arrival: float) -> RequestOutput:
-    """The one delta of a request that ended in error before the engine ran it."""
-    now = time.perf_counter()
+def failed_row(rid: str, num_prompt_tokens: int, error: Exception | str, arrival: float) -> tuple:
+    """The one row of a request that ended in error before the engine ran it."""
     reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-    return RequestOutput(rid, None, ids, [CompletionOutput(0, "", [], finish_reason="error")],
-                         metrics=FinishedStats(arrival, None, now, len(ids), (0,), "error"), error=reason)
-
-
-# ---- the wire format between processes: plain tuples (pickled 4x smaller and faster than the objects) ----
-
-def encode(batch: list[RequestOutput]) -> list[tuple]:
-    """Deltas -> tuples, without the prompt's ids (the API process has them)."""
-    return [(d.request_id, d.finished, d.error, d.metrics,
-             [(o.index, o.text, o.token_ids, o.cumulative_logprob, o.logprobs, o.finish_reason, o.stop_reason)
-              for o in d.outputs]) for d in batch]
+    stats = FinishedStats(arrival, None, time.perf_counter(), num_prompt_tokens, (0,), "error")
+    return rid, True, reason, stats, [(0, "", [], None, None, "error", None)]
 
 
 def decode(rows: list[tuple], prompt_ids: Callable[[str], list[int] | None]) -> list[RequestOutput]:
+    """Rows -> RequestOutputs (prompt_ids(request id): the prompt's ids, which rows do not carry)."""
     return [RequestOutput(rid, None, prompt_ids(rid), [CompletionOutput(*o) for o in outs], finished=finished,
                           metrics=metrics, error=error) for rid, finished, error, metrics, outs in rows]
