@@ -21,7 +21,7 @@ from serve_utils import CONTEXT, engine_factory, failing_steps, no_model
 
 from minillm import LLM, SamplingParams
 from minillm.engine.async_llm_engine import AsyncLLMEngine, EngineNotReady, FinishedStats, coalesce
-from minillm.engine.core_client import FrameReader, write_frame
+from minillm.engine.core_process import FrameReader, write_frame
 from minillm.outputs import CompletionOutput, RequestOutput
 
 CORES = ["thread", "process"]

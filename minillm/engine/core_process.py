@@ -1,0 +1,137 @@
+"""The engine core's own process: what runs in the child that core_client.ProcCore spawns, and the
+framing of the messages it sends back (chapter 12).
+
+    run_core_process(make_engine, warm_up, commands, out, log_level)    the child's main
+
+The child builds the engine, sends ("ready", EngineView, warm-up seconds) (or ("load_error", why)),
+then runs an EngineCore whose every pass sends ("out", rows, load). A reader thread moves the
+command lists that come down the other pipe into the core's queue.Queue as they arrive. Messages out
+are pickles behind an 8-byte length (write_frame), which the API process reads without blocking
+(FrameReader).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import signal
+import threading
+from types import SimpleNamespace
+
+from .block_manager import BlockManager
+from .engine_core import EngineCore
+from .llm_engine import LLMEngine
+
+OUT_PIPE_BYTES = 1 << 20  # Linux's default limit for a pipe (/proc/sys/fs/pipe-max-size)
+
+
+def build_engine(make_engine, warm_up) -> tuple[object, float | None]:
+    """make_engine(), warmed up if asked (warm_up "auto": on a GPU only) -> (engine, warm-up seconds)."""
+    engine = make_engine()
+    if warm_up is True or (warm_up == "auto" and engine.sizes.device.type == "cuda"):
+        return engine, engine.warm_up()
+    return engine, None
+
+
+class FrameReader:
+    """The API side of the core's pipe: length-prefixed pickles (write_frame), read from a
+    non-blocking descriptor as they come. A message longer than what the pipe holds (the first,
+    with the tokenizer) arrives over several wake-ups; nothing waits for its rest."""
+
+    def __init__(self):
+        self.buf = bytearray()
+
+    def read(self, fd: int) -> tuple[list, bool]:
+        """-> (every complete message now readable, whether the writer has closed its end)."""
+        eof = False
+        try:
+            while chunk := os.read(fd, OUT_PIPE_BYTES):
+                self.buf += chunk
+            eof = True  # b"": the core's end is closed
+        except BlockingIOError:  # nothing more for now
+            pass
+        except OSError:
+            eof = True
+        messages, pos, buf = [], 0, self.buf
+        while len(buf) - pos >= 8:
+            n = int.from_bytes(buf[pos : pos + 8], "little")
+            if len(buf) - pos - 8 < n:
+                break
+            messages.append(pickle.loads(buf[pos + 8 : pos + 8 + n]))
+            pos += 8 + n
+        del buf[:pos]
+        return messages, eof
+
+
+def write_frame(fd: int, msg) -> None:
+    """The core's side: one message, pickled, behind its length (blocking until all of it is written)."""
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(len(data).to_bytes(8, "little") + data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+class EngineView:
+    """What the API process needs of an engine that lives in another process, all fixed once it is
+    built: the tokenizer, the limits, and LLMEngine.check_request itself (it reads only these)."""
+
+    check_request = LLMEngine.check_request
+
+    def __init__(self, engine):
+        self.tokenizer, self.config, self.max_model_len = engine.tokenizer, engine.config, engine.max_model_len
+        self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=engine.model.config.vocab_size))
+        self.block_manager = _Pool(engine.block_manager.num_blocks, engine.block_manager.block_size)
+        self.sizes = SimpleNamespace(device=engine.sizes.device)
+        self.groups: dict = {}  # request ids are the API process's to keep unique (AsyncLLMEngine does)
+
+
+class _Pool:
+    """The block pool's size, for check_request's "can it ever fit" (BlockManager's arithmetic)."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    blocks_needed = BlockManager.blocks_needed
+
+
+def run_core_process(make_engine, warm_up, cmd_conn, out_conn, log_level: int) -> None:
+    """The child process: build the engine, then serve the commands that come down the pipe."""
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s (engine core): %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the whole process group: the API process decides
+    commands: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_commands, args=(cmd_conn, commands), name="minillm-core-reader", daemon=True).start()
+
+    out_fd = out_conn.fileno()
+    os.set_blocking(out_fd, True)
+
+    def send(msg) -> None:
+        try:
+            write_frame(out_fd, msg)
+        except OSError:  # the API process is gone: stop, aborting everything
+            commands.put(("stop", True))
+
+    try:
+        engine, warm_up_seconds = build_engine(make_engine, warm_up)
+    except Exception as e:
+        logging.getLogger(__name__).exception("building the engine failed")
+        send(("load_error", f"{type(e).__name__}: {e}"))
+        return
+    send(("ready", EngineView(engine), warm_up_seconds))
+    core = EngineCore(engine, commands, lambda rows, load: send(("out", rows, load)),
+                      lambda reason: send(("dead", reason)))
+    if core.run() is None:
+        engine.shutdown()
+    out_conn.close()
+
+
+def _read_commands(conn, commands: queue.Queue) -> None:
+    """The child's reader thread: every command list into the queue, at once (the API process's
+    writes never wait for a step). End-of-file: the API process is gone."""
+    try:
+        while True:
+            for cmd in conn.recv():
+                commands.put(cmd)
+    except (EOFError, OSError):
+        commands.put(("stop", True))
