@@ -59,7 +59,8 @@ class AsyncLLMEngine:
     def __init__(self, make_engine: Callable[[], object], warm_up: bool | str = "auto",
                  on_finished: Callable[[RequestOutput], None] | None = None, engine_core: str = "thread"):
         """make_engine builds the LLMEngine (where the core runs: in process mode it is pickled to the
-        child, so a module-level function or a functools.partial of one). warm_up: True, False, or
+        child, so a module-level function or a functools.partial of one; and, as with any "spawn" child, a
+        script that starts one needs `if __name__ == "__main__":`). warm_up: True, False, or
         "auto" = on a GPU only (where Triton compiles and CUDA graphs are captured; a CPU has neither).
         on_finished is called on the event loop with every request's final output, whoever reads its
         stream (the server counts its metrics there). engine_core: "thread" or "process"."""
