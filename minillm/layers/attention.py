@@ -174,7 +174,9 @@ def fold_k_scale(q: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
     with q over the dequantized keys: one multiply on the T queries instead of one per cached key."""
     Hkv = k_scale.shape[0]
     q_groups = q.unflatten(1, (Hkv, q.shape[1] // Hkv))  # [T, Hkv, group, D], a view: head h = kv * group + g
-    return (q_groups * k_scale[:, None, :]).flatten(1, 2).to(q.dtype)  # [T, Hq, D]
+    out = torch.empty(q_groups.shape, dtype=q.dtype, device=q.device)
+    torch.mul(q_groups, k_scale[:, None, :], out=out)  # one launch: multiplied in fp32, rounded once to q's dtype
+    return out.flatten(1, 2)  # [T, Hq, D]
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
