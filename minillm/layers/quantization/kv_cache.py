@@ -31,9 +31,8 @@ a position past the calibration prompts could saturate the channel that was smal
 
 A per-channel key scale costs nothing in the attention kernels: a score is a sum over channels,
 q . (s * k_q) = (q * s) . k_q, so store_kv writes k / s_k (per channel) and the layer multiplies
-the queries by s_k (layers/attention.py: `fold_k_scale`) and hands the kernels a unit K scale. The
-value scale is the kernels' per-head one (values have no such channels; their scale multiplies the
-output). The scales are fp32 buffers of each attention layer, read by the kernels as tensors, so
+the queries by s_k (layers/attention.py: `fold_k_scale`) and hands the kernels a unit K scale. Values
+keep one scale per head, the kernels' own, which multiplies the attention output. The scales are fp32 buffers of each attention layer, read by the kernels as tensors, so
 CUDA graphs capture them by address. LLM calibrates on text from the model's own tokenizer; an engine
 built without one (benchmarks, dummy weights) calibrates on random token ids when it allocates its
 cache (`ensure_kv_scales`).
