@@ -55,7 +55,7 @@ from ..checks import check_int
 from .checks import FLOAT_DTYPES, INTERPRET, check_device, check_float_tensor, check_tensor
 from .flash_attn import dot
 from .flash_decode import sm_count
-from .wna16_dequant import dequant_matmul
+from .wna16_dequant import dequant_matmul, nibble_to_f32
 
 DECODE_M = 16  # up to this many rows: the decode tiles (one row of M, split-K)
 MAX_SPLIT_K = 16
@@ -93,8 +93,8 @@ def _wna16_kernel(
             mn = tl.load(Mins + offs_n * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             x_even = tl.load(x_rows + 2 * offs_j[None, :], mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K / 2]
             x_odd = tl.load(x_rows + 2 * offs_j[None, :] + 1, mask=m_ok[:, None], other=0.0)
-            w_even = (packed & 0xF).to(tl.float32) * s + mn  # W^T's even rows, rounded once to x's dtype
-            w_odd = (packed >> 4).to(tl.float32) * s + mn
+            w_even = nibble_to_f32(packed & 0xF) * s + mn  # W^T's even rows, rounded once to x's dtype
+            w_odd = nibble_to_f32(packed >> 4) * s + mn
             acc = dot(x_even, w_even.to(x_even.dtype), acc, IEEE)
             acc = dot(x_odd, w_odd.to(x_odd.dtype), acc, IEEE)
         else:
