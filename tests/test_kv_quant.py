@@ -25,6 +25,7 @@ from tiny_models import random_model
 from minillm import SamplingParams
 from minillm.cache import PagedKVCache, bytes_per_token, kv_cache_spec
 from minillm.engine import EngineConfig, LLMEngine
+from minillm.eval.kv_agreement import cached_logits
 from minillm.kernels.flash_attn import flash_attn_varlen, flash_attn_varlen_ref
 from minillm.kernels.flash_decode import flash_decode, flash_decode_ref
 from minillm.kernels.store_kv import dequantize_kv_ref, quantize_kv_ref, store_kv, store_kv_ref
@@ -340,6 +341,9 @@ def test_calibration_sets_per_channel_key_scales(seed):
     hook.remove()
     k_amax = torch.stack(k_seen).amax(dim=0)  # [Hkv, D]
     torch.testing.assert_close(stats["k_absmax"][0], torch.maximum(k_amax, k_amax.roll(D // 2, dims=1)))
+    per_head = calibrate_kv_scales(model, prompts, FP8, per_channel_keys=False)["k_absmax"]  # for comparison
+    torch.testing.assert_close(per_head, stats["k_absmax"].amax(-1, keepdim=True).expand_as(per_head))
+    calibrate_kv_scales(model, prompts, FP8)
     fp8_scales = [(layer.k_scale.clone(), layer.v_scale.clone()) for layer in layers]
     ensure_kv_scales(model, INT8)  # calibrated for fp8: only qmax changes
     for layer, (k_s, v_s) in zip(layers, fp8_scales):
@@ -504,25 +508,6 @@ QA = [
 ]
 
 
-def cached_logits(model, ids: list[int], dtype) -> torch.Tensor:
-    """Logits [len(ids), vocab] of one prefill through a paged cache of `dtype`: every key and value
-    is written to the cache and read back from it, as in decode."""
-    from minillm.layers import AttentionMetadata
-
-    T, bs = len(ids), 16
-    cache = PagedKVCache(kv_cache_spec(model, dtype), -(-T // bs) + 1, bs, "cpu")
-    cache.bind(model)
-    meta = AttentionMetadata.from_seq_lens([T])
-    meta.seq_lens = torch.tensor([T], dtype=torch.int32)
-    meta.block_table = torch.randperm(cache.num_blocks - 1, dtype=torch.int32)[None] + 1  # shuffled, not block 0
-    table = meta.block_table[0].long()
-    meta.slot_mapping = table[torch.arange(T) // bs] * bs + torch.arange(T) % bs
-    with torch.inference_mode():
-        out = model.compute_logits(model(torch.tensor(ids), torch.arange(T), meta)).float()
-    cache.unbind(model)
-    return out
-
-
 @pytest.fixture(scope="module")
 def embedded_fp32():
     """The embedded model (fp32 on a CPU) and each QA pair as (context ids, answer ids), 64 answer tokens."""
@@ -568,7 +553,8 @@ def free_running(embedded_fp32):
     for r in results.values():
         print(f"\n{r.kv_cache_dtype}: {r.same_position:.1%} of {r.tokens} tokens identical, "
               f"{r.before_first_divergence:.1%} before the first difference; first differences at "
-              f"{r.first_divergence}, fp32 margin there {[m if m is None else round(m, 3) for m in r.divergence_margin]}")
+              f"{r.first_divergence}, fp32 margin there {[m if m is None else round(m, 3) for m in r.divergence_margin]}; "
+              f"teacher-forced {r.teacher_forced_same:.1%} the same, KL {r.teacher_forced_kl:.5f}")
     return results
 
 
@@ -582,6 +568,7 @@ def test_free_running_agreement_is_measured(free_running):
     for r in free_running.values():
         assert r.tokens == 512 and len(r.first_divergence) == 8 and 0 <= r.same_position <= 1
         assert r.before_first_divergence <= r.same_position
+        assert 0 <= r.teacher_forced_same <= 1 and r.teacher_forced_kl >= 0
         for first, margin in zip(r.first_divergence, r.divergence_margin):
             assert (margin is None) == (first == 64) and (margin is None or margin >= 0)
 

@@ -116,11 +116,12 @@ def calibration_prompts(tokenizer=None, vocab_size: int | None = None, count: in
 
 @torch.inference_mode()
 def calibrate_kv_scales(model: torch.nn.Module, prompts: list[list[int]], dtype: torch.dtype,
-                        margin: float = KV_SCALE_MARGIN) -> dict[str, torch.Tensor]:
+                        margin: float = KV_SCALE_MARGIN, per_channel_keys: bool = True) -> dict[str, torch.Tensor]:
     """Run the prompts through the model without a cache (every layer computes in the model's own
     dtype), record each attention layer's absmax of K per KV head and RoPE channel pair and of V per
     KV head, and set the layers' k_scale [Hkv, D], v_scale [Hkv] for `dtype` (fp8 e4m3 or int8).
-    Returns {"k_absmax": [L, Hkv, D], "v_absmax": [L, Hkv]}."""
+    per_channel_keys=False: every channel of a head gets the head's absmax (one key scale per head,
+    for comparison). Returns {"k_absmax": [L, Hkv, D], "v_absmax": [L, Hkv]}."""
     from ..attention import AttentionMetadata
 
     if dtype not in QMAX:
@@ -149,7 +150,7 @@ def calibrate_kv_scales(model: torch.nn.Module, prompts: list[list[int]], dtype:
     qmax = QMAX[dtype]
     for layer in layers:
         k_amax, v_amax = amax[id(layer)]
-        k_amax = rope_pair_max(k_amax)
+        k_amax = rope_pair_max(k_amax) if per_channel_keys else k_amax.amax(-1, keepdim=True).expand_as(k_amax)
         amax[id(layer)][0] = k_amax
         # a channel or head whose values were all 0 still gets a usable scale (any, its q is 0)
         layer.k_scale.copy_((k_amax * margin / qmax).clamp_min(1e-8))
