@@ -165,9 +165,10 @@ def capacity(out: Path) -> dict:
 
 
 def agreement(out: Path) -> dict:
-    """Free-running greedy agreement (minillm.eval.kv_agreement: 8 prompts x 64 tokens): the bf16 model
-    (what LLM() runs on a GPU) with its bf16 cache vs fp8/int8, and the fp32 model with its fp32 cache
-    vs fp8/int8 and vs a bf16 cache (the control), as on a CPU."""
+    """Free-running greedy agreement (minillm.eval.kv_agreement: 8 prompts x 64 tokens, with the
+    teacher-forced measures on the same texts): the bf16 model (what LLM() runs on a GPU) with its bf16
+    cache vs fp8/int8, and the fp32 model with its fp32 cache vs fp8/int8 and vs a bf16 cache (the
+    control); keys with per-channel scales (minillm's) and with one scale per head (for comparison)."""
     from dataclasses import asdict
 
     from minillm import LLM
@@ -176,15 +177,19 @@ def agreement(out: Path) -> dict:
     rows = []
     for dtype in ("bfloat16", "float32") if GPU else ("float32",):
         llm = LLM(dtype=dtype, enable_kv_cache=False)
-        for r in kv_greedy_agreement(llm, max_tokens=64 if GPU else 8):
-            rows.append({"model_dtype": dtype, **asdict(r)})
-            print(f"{dtype} model, {r.kv_cache_dtype} KV: {r.same_position:.1%} of {r.tokens} greedy tokens identical "
-                  f"to the {dtype} cache's, {r.before_first_divergence:.1%} before each prompt's first difference; "
-                  f"first differences at {r.first_divergence}, margins there "
-                  f"{[m if m is None else round(m, 3) for m in r.divergence_margin]}")
+        for per_channel in (True, False):
+            keys = "per channel" if per_channel else "per head"
+            for r in kv_greedy_agreement(llm, max_tokens=64 if GPU else 8, per_channel_keys=per_channel):
+                if r.kv_cache_dtype.startswith("bf16") and not per_channel:
+                    continue  # the control has no scales: once is enough
+                rows.append({"model_dtype": dtype, "key_scales": keys, **asdict(r)})
+                print(f"{dtype} model, {r.kv_cache_dtype} KV, keys {keys}: {r.same_position:.1%} of {r.tokens} greedy "
+                      f"tokens identical to the {dtype} cache's, {r.before_first_divergence:.1%} before each prompt's "
+                      f"first difference (at {r.first_divergence}, margins "
+                      f"{[m if m is None else round(m, 3) for m in r.divergence_margin]}); teacher-forced "
+                      f"{r.teacher_forced_same:.1%} the same, KL {r.teacher_forced_kl:.5f}")
         del llm
-    result = {**header(), "model": "embedded SmolLM2-135M-Instruct", "key_scales": "per KV head and channel",
-              "rows": rows}
+    result = {**header(), "model": "embedded SmolLM2-135M-Instruct", "rows": rows}
     (out / "kv_greedy_agreement.json").write_text(json.dumps(result, indent=1))
     return result
 
