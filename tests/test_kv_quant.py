@@ -584,6 +584,19 @@ def test_free_running_greedy_tokens_agree_with_full_precision_kv(free_running, k
     assert free_running[kv_cache_dtype].same_position >= 0.90
 
 
+def test_kv_greedy_agreement_refuses_bad_arguments():
+    from minillm.eval.kv_agreement import kv_greedy_agreement
+
+    with pytest.raises(ValueError, match="give quantized ones .* not 'auto'"):
+        kv_greedy_agreement(None, kv_cache_dtypes=("auto",))
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        kv_greedy_agreement(None, kv_cache_dtypes=("fp4",))
+    with pytest.raises(ValueError, match="prompts must be a non-empty list of non-empty strings"):
+        kv_greedy_agreement(None, prompts=["hi", ""])
+    with pytest.raises(ValueError, match="max_tokens must be an int >= 1, not 0"):
+        kv_greedy_agreement(None, max_tokens=0)
+
+
 def test_cli_takes_kv_cache_dtype():
     from minillm.cli import build_parser
 

@@ -61,7 +61,8 @@ def kv_greedy_agreement(llm, kv_cache_dtypes=("fp8", "int8"), prompts: list[str]
     """Greedy generations of `prompts` with each of `kv_cache_dtypes` vs the model's own cache dtype.
     `llm`: an LLM (its model, tokenizer and EOS ids are used; engines of its own are built here, and
     its attention layers' KV scales are calibrated on its tokenizer's text, as LLM does;
-    per_channel_keys=False calibrates one key scale per head instead, for comparison)."""
+    per_channel_keys=False calibrates one key scale per head instead, for comparison; the layers keep
+    the scales of the last dtype measured)."""
     for name in kv_cache_dtypes:
         if kv_cache_torch_dtype(name) is None:
             raise ValueError(f"kv_cache_dtypes are compared with the model's own cache dtype ('auto'); give "
