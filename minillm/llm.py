@@ -16,8 +16,8 @@ a clear error.
 `quantization` stores the linear layers' weights in fewer bits (chapter 08): "int8" (per output
 channel), "int4" (groups of 128 inputs) or {"method": "int4", "group_size": 32 | 64 | 128}; the
 options live in one dict so that methods with more of them (AWQ, GPTQ) fit the same argument.
-`kv_cache_dtype="fp8"` (or "int8") stores the KV cache in one byte per number, with per-head scales
-calibrated here on a few prompts of text: twice the tokens fit in the same memory.
+`kv_cache_dtype="fp8"` (or "int8") stores the KV cache in one byte per number, with scales (keys per KV
+head and channel, values per KV head) calibrated here on a few prompts of text: twice the tokens fit in the same memory.
 """
 
 from __future__ import annotations

@@ -619,3 +619,14 @@ def test_cuda_graphs_capture_with_a_quantized_cache(seed, tok, kv_cache_dtype):
                                                           num_gpu_blocks=64))
     graphed = run_engine(model, tok, requests, EngineConfig(kv_cache_dtype=kv_cache_dtype, num_gpu_blocks=64))
     assert graphed == eager
+
+
+def test_serve_takes_kv_cache_dtype():
+    from minillm.cli import build_parser
+    from minillm.entrypoints.openai.cli_args import engine_kwargs
+
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"])
+    assert engine_kwargs(args)["kv_cache_dtype"] == "int8"
+    assert "kv_cache_dtype" not in engine_kwargs(build_parser().parse_args(["serve"]))
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(**engine_kwargs(build_parser().parse_args(["serve", "--kv-cache-dtype", "fp4"])))
