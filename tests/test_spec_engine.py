@@ -205,13 +205,19 @@ def test_back_off_pauses_a_sequence_whose_drafts_fail(seed, tok):
     assert seq.spec_pause == 0 and seq.spec_resume_at <= len(seq.output_ids)
 
     rng = random.Random(seed)
-    model, config = random_model(rng)  # random weights: n-gram drafts are almost never right
+    model, config = random_model(rng)
     prompts = [[rng.randrange(config.vocab_size) for _ in range(4)] * 4 for _ in range(3)]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = {tuple(p): alone(model, tok, p, params)[0] for p in prompts}
+
+    def wrong(seqs, num_spec, block_tables):  # drafts the target always rejects at their first token
+        nxt = [want[tuple(s.prompt_ids)][len(s.output_ids)] for s in seqs]
+        return [[(t + 1) % config.vocab_size] * k for t, k in zip(nxt, num_spec)], None
 
     def run(rate):
         engine = LLMEngine(model, tok, [], EngineConfig(num_gpu_blocks=128, speculative_config={
-            "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "min_acceptance_rate": rate}))
+            "method": "ngram", "num_speculative_tokens": 3, "min_acceptance_rate": rate}))
+        engine.proposer.propose = wrong
         for i, p in enumerate(prompts):
             engine.add_request(str(i), {"prompt_token_ids": p}, params)
         got = drain(engine)
@@ -219,8 +225,12 @@ def test_back_off_pauses_a_sequence_whose_drafts_fail(seed, tok):
 
     always, eager = run(None)
     backed_off, calm = run(0.5)
-    assert always == backed_off == [alone(model, tok, p, params)[0] for p in prompts]
-    assert eager.acceptance_rate < 0.5 and 0 < calm.num_drafts < eager.num_drafts / 2, (calm.num_drafts, eager.num_drafts)
+    assert always == backed_off == list(want.values())
+    assert eager.num_accepted_tokens == calm.num_accepted_tokens == 0
+    # without the back-off a sequence drafts at nearly every one of its 40 tokens; with it, after its first
+    # two verifies (rate 1 -> 0.5 -> 0.25) it pauses 8, then 16, then 32 tokens: about 4 verifies each
+    assert eager.num_drafts >= 30 * len(prompts) and 0 < calm.num_drafts <= 5 * len(prompts), \
+        (calm.num_drafts, eager.num_drafts)
 
 
 @pytest.mark.parametrize("method", ["ngram", "layer_skip", "draft"])
