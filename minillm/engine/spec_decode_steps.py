@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..outputs import RequestOutput
-from ..sampling.rejection_sampler import spec_metadata
+from ..sampling.rejection_sampler import draft_rows_of, emit, spec_metadata
 from ..sequence import Sequence
 from .scheduler import SchedulerOutput
 
@@ -77,17 +77,10 @@ class SpecDecodeSteps:
         the argmax of every row, [sum(k + 1)]. On a GPU this saves the per-row sampling metadata, a
         dozen small copies to the device and two waits for it, about as long as a decode step of a
         small model."""
-        emitted, row = [], 0
-        for seq in seqs:
-            drafts, out = seq.spec_token_ids, []
-            for j, d in enumerate(drafts):
-                out.append(argmax[row + j])  # the target's token: the draft itself, or its replacement
-                if d != argmax[row + j]:
-                    break
-            else:
-                out.append(argmax[row + len(drafts)])  # every draft accepted (or none): the bonus token
-            emitted.append(out)
-            row += 1 + len(drafts)
+        num_draft = [len(s.spec_token_ids) for s in seqs]
+        drafts = [t for s in seqs for t in s.spec_token_ids]
+        accepted = [d == argmax[r] for d, r in zip(drafts, draft_rows_of(num_draft))]  # the greedy rule
+        emitted = emit(num_draft, drafts, accepted, argmax)
         self._append_verified(seqs, emitted)
 
     def _append_verified(self, seqs: list[Sequence], emitted: list[list[int]]) -> None:

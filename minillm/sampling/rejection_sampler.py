@@ -27,6 +27,8 @@ requests no drafts (LLMEngine), so they never come here.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .rng import uniforms
@@ -67,12 +69,7 @@ class RejectionSampler:
         if draft_probs is not None and tuple(draft_probs.shape) != (D, V):
             raise ValueError(f"RejectionSampler: draft_probs is {tuple(draft_probs.shape)}, expected ({D}, {V})")
         dev = logits.device
-        # row of each draft token: sequence b's rows start at start_b; its drafts are rows start_b + j
-        starts, rows, r = [], [], 0
-        for k in num_draft:
-            starts.append(r)
-            rows += range(r, r + k)
-            r += k + 1
+        rows = draft_rows_of(num_draft)
         draft_rows = torch.tensor(rows, dtype=torch.long, device=dev)  # [D]
         drafts = torch.tensor(draft_token_ids, dtype=torch.long, device=dev)  # [D]
         greedy = meta.temperature == 0  # [R]
@@ -102,20 +99,32 @@ class RejectionSampler:
             rows = broken.nonzero()[:, 0].tolist()
             raise ValueError(f"RejectionSampler: the target's logits of row(s) {rows} have no finite value (or "
                              "a NaN in a sampled row): the model's output is broken, there is no token to verify against")
-        accepted, tokens, drafts = accepted.tolist(), tokens.tolist(), draft_token_ids
-        out, d = [], 0
-        for start, k in zip(starts, num_draft):
-            emitted = []
-            for j in range(k):
-                if not accepted[d + j]:
-                    emitted.append(tokens[start + j])  # the replacement, and nothing after it
-                    break
-                emitted.append(drafts[d + j])
-            else:
-                emitted.append(tokens[start + k])  # every draft accepted: the bonus token
-            out.append(emitted)
-            d += k
-        return out
+        return emit(num_draft, draft_token_ids, accepted.tolist(), tokens.tolist())
+
+
+def draft_rows_of(num_draft: list[int]) -> list[int]:
+    """[D] the logits row of each draft: sequence b's rows start at start_b, its drafts are start_b + j."""
+    starts = itertools.accumulate([k + 1 for k in num_draft], initial=0)
+    return [start + j for start, k in zip(starts, num_draft) for j in range(k)]
+
+
+def emit(num_draft: list[int], draft_token_ids: list[int], accepted: list[bool], tokens: list[int]) -> list[list[int]]:
+    """Per sequence, the tokens a verify emits: its drafts while accepted, then the first rejected one's
+    replacement and nothing after it, or, every draft accepted, the bonus token of its last row.
+    accepted [D] per draft; tokens [R] per row of logits (sequence b's k_b + 1 rows together)."""
+    out, d, start = [], 0, 0
+    for k in num_draft:
+        emitted = []
+        for j in range(k):
+            if not accepted[d + j]:
+                emitted.append(tokens[start + j])  # the replacement, and nothing after it
+                break
+            emitted.append(draft_token_ids[d + j])
+        else:
+            emitted.append(tokens[start + k])  # every draft accepted: the bonus token
+        out.append(emitted)
+        d, start = d + k, start + k + 1
+    return out
 
 
 def spec_metadata(params: list, seeds: list[int], num_output: list[int], num_draft: list[int], vocab_size: int,
