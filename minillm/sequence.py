@@ -58,6 +58,11 @@ class Sequence:
         self.spec_token_ids: list[int] = []
         self.spec_probs = None
         self.num_draft_computed = 0
+        # Overlap scheduling (chapter 13): a token sampled on the GPU whose value the host does not know
+        # yet (at most one), and its row in that step's sampled-token tensor; it counts in num_tokens so
+        # the scheduler can give the sequence its next step before the token reaches the host.
+        self.num_pending = 0
+        self.pending_row = -1
         self.spec = SpecDecodeMetrics()
         # min_acceptance_rate's back-off: the running acceptance rate, the current pause (output tokens)
         # and the output length at which drafting resumes
@@ -73,8 +78,9 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        """len(token_ids), without building the list (the scheduler asks every step)."""
-        return len(self.prompt_ids) + len(self.output_ids)
+        """len(token_ids) plus a token still on its way from the GPU (num_pending), without building
+        the list (the scheduler asks every step)."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
 
     def banned_tokens(self) -> list[int]:
         """Tokens that may not be sampled now: EOS and stop tokens before min_tokens are out."""

@@ -407,7 +407,7 @@ print("outputs of both preemption modes are identical to the unpressured run")
 # (`capture_cuda_graphs`) and afterwards only copies the step's inputs into fixed buffers and
 # replays it; a batch of $b$ is padded to the smallest captured size $\ge b$. Steps that carry prompt
 # tokens are graphed the same way per *token* bucket (16, 32, … 512, then every 512), captured the
-# first time a step needs one (`minillm/engine/cuda_graphs.py`). Timed here: one engine step
+# first time a step needs one (`minillm/worker/cuda_graphs.py`). Timed here: one engine step
 # (scheduling, inputs, forward pass, sampling) of a pure decode batch of $b$ sequences, eager
 # (`enforce_eager=True`) and with graphs, in the same run.
 

@@ -40,7 +40,7 @@ from minillm.bench.table import print_table
 from minillm.cache import PagedKVCache, kv_cache_spec
 from minillm.config import preset
 from minillm.engine import EngineConfig, LLMEngine
-from minillm.engine.model_runner import pack
+from minillm.worker.model_input import pack
 from minillm.hw import time_it
 from minillm.layers import AttentionMetadata
 from minillm.loader import load_model
@@ -68,7 +68,8 @@ def step_time(model, B: int, ctx: int, q: int) -> float:
     cache = PagedKVCache(kv_cache_spec(model), 1 + B * per, bs, dev)
     cache.bind(model)
     chunks = [(ctx, [7] * q, list(range(1 + b * per, 1 + (b + 1) * per))) for b in range(B)]
-    ids, pos, slots, seq_lens, table = pack(chunks, bs)
+    step = pack(chunks, bs)  # a ModelInput
+    ids, pos, slots, seq_lens, table = step.input_ids, step.positions, step.slot_mapping, step.seq_lens, step.block_table
     meta = AttentionMetadata.from_seq_lens([q] * B, dev)
     meta.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
     meta.block_table = torch.tensor(table, dtype=torch.int32, device=dev)

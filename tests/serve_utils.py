@@ -188,12 +188,19 @@ def poisoned_forward(folder: str):
     """An engine whose forward pass raises when a scheduled sequence's prompt holds POISON: a step
     failure that concerns the requests of that step only."""
     engine = build_engine(folder)
-    runner, real = engine.runner, engine.runner.execute
+    executor, real, schedule = engine.executor, engine.executor.execute_model, engine.scheduler.schedule
+    scheduled = []
 
-    def execute(scheduled, *args, **kwargs):
-        if any(POISON in seq.prompt_ids for seq, *_ in scheduled):
+    def schedule_and_remember():
+        sched = schedule()
+        scheduled[:] = [seq for seq, _ in sched.scheduled]
+        return sched
+
+    def execute(step):
+        if any(POISON in seq.prompt_ids for seq in scheduled):
             raise RuntimeError("injected forward failure")
-        return real(scheduled, *args, **kwargs)
+        return real(step)
 
-    runner.execute = execute
+    engine.scheduler.schedule = schedule_and_remember
+    executor.execute_model = execute
     return engine

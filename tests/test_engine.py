@@ -17,8 +17,8 @@ from tiny_models import random_model
 
 from minillm import SamplingParams
 from minillm.engine import EngineConfig, LLMEngine
-from minillm.engine.cuda_graphs import cuda_graph_sizes, token_buckets
 from minillm.generation import generate_sequences
+from minillm.worker.cuda_graphs import cuda_graph_sizes, token_buckets
 
 
 def random_requests(rng: random.Random, vocab: int, count: int) -> list[tuple[list[int], SamplingParams]]:
@@ -57,17 +57,25 @@ def blocks_for(requests, block_size: int) -> int:
     return max(-(-(len(p) + sp.max_tokens) // block_size) for p, sp in requests)
 
 
+def random_engine_config(rng: random.Random, requests, case: int, **overrides) -> EngineConfig:
+    """A small pool (preemption by recompute or swap), a small token budget (chunked prompts), prefix
+    caching of either kind: the configurations the engine oracles draw from."""
+    block_size = rng.choice([1, 4, 16])
+    return EngineConfig(block_size=block_size,
+                        num_gpu_blocks=blocks_for(requests, block_size) + 1 + rng.randrange(0, 8),
+                        num_cpu_blocks=rng.choice([0, 64]), preemption_mode=["recompute", "swap"][case % 2],
+                        enable_prefix_caching=[None, "hash", "radix"][case % 3],
+                        max_num_batched_tokens=rng.randrange(4, 40), max_num_seqs=rng.randrange(3, 9),  # n <= 3
+                        **overrides)
+
+
 @pytest.mark.parametrize("case", range(6))
 def test_engine_matches_one_request_at_a_time(seed, tok, case):
     rng = random.Random(seed * 100 + case)
     model, config = random_model(rng)
     requests = random_requests(rng, config.vocab_size, rng.randrange(4, 12))
     expected = [alone(model, tok, p, sp) for p, sp in requests]
-    block_size = rng.choice([1, 4, 16])
-    ec = EngineConfig(block_size=block_size, num_gpu_blocks=blocks_for(requests, block_size) + 1 + rng.randrange(0, 8),
-                      num_cpu_blocks=rng.choice([0, 64]), preemption_mode=["recompute", "swap"][case % 2],
-                      enable_prefix_caching=[None, "hash", "radix"][case % 3],
-                      max_num_batched_tokens=rng.randrange(4, 40), max_num_seqs=rng.randrange(3, 9))  # n <= 3
+    ec = random_engine_config(rng, requests, case)
     engine = LLMEngine(model, tok, [], ec)
     padded = case >= 3 and engine.runner.graphs is None
     if padded:
@@ -249,7 +257,7 @@ def test_cuda_graphs_cover_every_batch_the_scheduler_can_form(max_num_seqs, cap)
 
 
 # Padding rows hold whatever the attention output's fresh memory held (nothing reads them, see
-# minillm/engine/cuda_graphs.py); the interpreter's numpy may warn when that garbage overflows.
+# minillm/worker/cuda_graphs.py); the interpreter's numpy may warn when that garbage overflows.
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
                             "ignore:invalid value encountered:RuntimeWarning")
 def test_padded_steps_through_the_triton_kernels(seed, tok):

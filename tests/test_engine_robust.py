@@ -14,6 +14,7 @@ from tiny_models import make_tiny, random_model
 
 from minillm import LLM, SamplingParams
 from minillm.engine import EngineConfig, LLMEngine
+from minillm.worker import prepare_model_input
 
 
 def _engine(seed, tok, **cfg):
@@ -74,7 +75,7 @@ def test_a_failing_sample_ends_only_its_own_request(seed, tok, monkeypatch):
 
 def test_a_failing_forward_ends_its_step_and_the_engine_goes_on(seed, tok, monkeypatch):
     engine, model, rng = _engine(seed, tok, max_num_batched_tokens=8)
-    real, calls = engine.runner.execute, []
+    real, calls = engine.executor.execute_model, []
 
     def execute(*args):
         calls.append(1)
@@ -82,7 +83,7 @@ def test_a_failing_forward_ends_its_step_and_the_engine_goes_on(seed, tok, monke
             raise RuntimeError("CUDA error: an illegal memory access")
         return real(*args)
 
-    monkeypatch.setattr(engine.runner, "execute", execute)
+    monkeypatch.setattr(engine.executor, "execute_model", execute)
     prompts = [[rng.randrange(97) for _ in range(6)] for _ in range(3)]
     sp = SamplingParams(max_tokens=4, temperature=0)
     for i, p in enumerate(prompts):
@@ -142,11 +143,11 @@ def test_generate_checks_every_request_before_queueing_any(tiny_llm):
 
 
 def test_generate_raises_when_the_engine_fails_a_request(tiny_llm, monkeypatch):
-    real = tiny_llm.engine.runner.execute
-    monkeypatch.setattr(tiny_llm.engine.runner, "execute", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    real = tiny_llm.engine.executor.execute_model
+    monkeypatch.setattr(tiny_llm.engine.executor, "execute_model", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match=r"prompts\[0\] failed in the engine: RuntimeError: boom"):
         tiny_llm.generate(["a", "b"], SamplingParams(max_tokens=2))
-    monkeypatch.setattr(tiny_llm.engine.runner, "execute", real)
+    monkeypatch.setattr(tiny_llm.engine.executor, "execute_model", real)
     assert not tiny_llm.engine.groups and not tiny_llm.engine.has_unfinished_requests()
     assert len(tiny_llm.generate("a", SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids) == 2
 
@@ -162,7 +163,8 @@ def test_runner_gives_logits_at_any_rows(seed, tok):
     engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1))
     sched = engine.scheduler.schedule()
     rows = sorted(rng.sample(range(9), 4))
-    got = engine.runner.execute(sched.scheduled, engine.block_manager.block_tables, rows)  # [4, vocab]
+    step = prepare_model_input(sched.scheduled, engine.block_manager.block_tables, engine.config.block_size, rows)
+    got = engine.executor.execute_model(step)  # [4, vocab]
     engine.abort_request("r")
     hidden = model(torch.tensor(prompt), torch.arange(9), AttentionMetadata.from_seq_lens([9]))
     torch.testing.assert_close(got, model.compute_logits(hidden)[rows], rtol=1e-4, atol=1e-4)
@@ -182,15 +184,15 @@ def test_nan_logits_never_become_a_token_on_the_greedy_fast_paths(seed, tok, mon
 
     def run(spec, poison: bool):
         engine = LLMEngine(model, tok, [], EngineConfig(block_size=4, num_gpu_blocks=64, speculative_config=spec))
-        real = engine.runner.execute
+        real = engine.executor.execute_model
 
         def execute(*args):
             logits = real(*args)  # [rows, vocab]
             return logits.index_fill(1, torch.tensor([nan_col]), float("nan")) if poison else logits
 
-        monkeypatch.setattr(engine.runner, "execute", execute)
+        monkeypatch.setattr(engine.executor, "execute_model", execute)
         if spec:  # drafts every step, and the NaN's own token at that: a verify must never accept it
-            monkeypatch.setattr(engine.proposer, "propose", lambda seqs, ks, tables: ([[nan_col] * k for k in ks], None))
+            monkeypatch.setattr(engine.executor, "propose", lambda seqs, ks, tables: ([[nan_col] * k for k in ks], None))
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
         outs = _drain(engine)

@@ -44,6 +44,11 @@ class EngineConfig:
     # "prompt_lookup_min": a, "prompt_lookup_max": b}, {"model": PATH, "num_speculative_tokens": k},
     # {"method": "layer_skip", "num_draft_layers": L, "num_speculative_tokens": k}; None: off
     speculative_config: dict | SpeculativeConfig | None = None
+    # overlap scheduling (chapter 13; vLLM's --async-scheduling): prepare step N+1 while the GPU runs step
+    # N, the sampled tokens staying on the GPU. None: on where it pays (a CUDA model), off on a CPU.
+    # Steps of requests that need the host's view of every token (logprobs, penalties, min_tokens) and
+    # speculative decoding run without it.
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_batch"):
@@ -71,6 +76,8 @@ class EngineConfig:
                              f"not {self.enable_prefix_caching!r}")
         if not isinstance(self.enforce_eager, bool):
             raise TypeError(f"enforce_eager must be True or False, not {self.enforce_eager!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise TypeError(f"async_scheduling must be True, False or None (auto), not {self.async_scheduling!r}")
         kv_cache_torch_dtype(self.kv_cache_dtype)  # an unknown name fails here, before any model is touched
         if self.speculative_config is not None:
             self.speculative_config = spec = SpeculativeConfig.from_dict(self.speculative_config)

@@ -8,8 +8,9 @@
 One step is five stages, each a method below:
 
     schedule  Scheduler.schedule: who runs, how many tokens each, which blocks move
-    execute   ModelRunner: block copies, the forward pass, logits at the rows in logits_indices
-              (the last token of each sequence whose computed tokens reach its end)
+    execute   the executor (chapter 13): block copies, then the step packed as a ModelInput and run by
+              the worker's ModelRunner, logits at the rows in logits_indices (the last token of each
+              sequence whose computed tokens reach its end)
     advance   bookkeeping: computed tokens, full blocks named for the prefix cache, forks joined
     sample    the Sampler: one token per sequence, each with its own parameters and seed; stop checks
     outputs   finished sequences leave and free their blocks; RequestOutputs for the caller
@@ -44,17 +45,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.paged import PagedKVCache
 from ..checks import check_int
+from ..executor import Executor, UniprocExecutor
 from ..inputs import check_length, prompt_ids
 from ..outputs import RequestOutput
 from ..sampling import Sampler, SamplingMetadata, SamplingParams
 from ..sampling.rejection_sampler import RejectionSampler
 from ..sequence import Sequence, append_tokens, make_sequences
-from ..spec_decode import SpecDecodeMetrics, make_proposer
+from ..spec_decode import SpecDecodeMetrics
+from ..spec_decode.draft_model import load_draft_model
+from ..worker.model_input import prepare_model_input
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .model_runner import ModelRunner
+from .overlap_steps import OverlapSteps, needs_host_sampling
 from .prefix_cache import make_prefix_cache
 from .scheduler import Scheduler, SchedulerOutput
 from .spec_decode_steps import SpecDecodeSteps
@@ -98,9 +101,9 @@ class SequenceGroup:
                              spec=spec if speculative else None)
 
 
-class LLMEngine(SpecDecodeSteps):
+class LLMEngine(SpecDecodeSteps, OverlapSteps):
     def __init__(self, model, tokenizer, eos_token_ids: list[int], config: EngineConfig | None = None,
-                 progress: bool = True):
+                 progress: bool = True, executor: Executor | None = None):
         self.config = config = config or EngineConfig()
         self.model, self.tokenizer = model, tokenizer
         vocab = model.config.vocab_size
@@ -109,33 +112,31 @@ class LLMEngine(SpecDecodeSteps):
             raise ValueError(f"eos_token_ids {bad} are not token ids of this model (0..{vocab - 1})")
         self.eos_token_ids = list(eos_token_ids)
         self.spec_config = spec = config.speculative_config
-        draft = None
-        if spec is not None and spec.method == "draft_model":
-            from ..spec_decode.draft_model import load_draft_model
-
-            draft = load_draft_model(spec, model)
-        self.sizes = sizes = config.resolve(model, draft)  # max_model_len, block counts: worked out once
-        self.max_model_len = sizes.max_model_len
+        if executor is None:  # the model in this process (chapter 11 passes one worker per GPU instead)
+            draft = None
+            if spec is not None and spec.method == "draft_model":
+                draft = load_draft_model(spec, model)
+            executor = UniprocExecutor(model, config, draft)
+        self.executor = executor
+        self.sizes = executor.sizes  # max_model_len and what memory allows: worked out once
+        self.max_model_len = self.sizes.max_model_len
+        if spec is not None and spec.num_speculative_tokens + 2 > self.max_model_len:
+            raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} is too "
+                             f"large for max_model_len={self.max_model_len}")
+        num_gpu_blocks, num_cpu_blocks = executor.determine_num_blocks()
+        executor.initialize_cache(num_gpu_blocks, num_cpu_blocks, progress)
+        self.sizes = executor.sizes
         self.engine_stats = EngineStats()  # every counter of the engine's parts, in one object
-        self.cache = PagedKVCache(list(sizes.kv_cache_spec), sizes.num_gpu_blocks, config.block_size, sizes.device,
-                                  sizes.num_cpu_blocks)
-        self.block_manager = BlockManager(sizes.num_gpu_blocks, config.block_size, sizes.num_cpu_blocks,
+        self.block_manager = BlockManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
                                           make_prefix_cache(config.enable_prefix_caching, config.block_size),
                                           self.engine_stats)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(model, self.cache, config, sizes.max_model_len)
-        self.runner.capture_cuda_graphs(progress)
         self.sampler = Sampler()
-        self.proposer = None
+        self.has_proposer = spec is not None
+        auto = self.sizes.device.type == "cuda"  # overlap pays where a GPU runs beside the host
+        self.async_scheduling = auto if config.async_scheduling is None else config.async_scheduling
+        self._host_sampled: set[str] = set()  # requests the overlapped step cannot sample (overlap_steps.py)
         if spec is not None:
-            if spec.num_speculative_tokens + 2 > sizes.max_model_len:
-                raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} is too "
-                                 f"large for max_model_len={sizes.max_model_len}")
-            self.proposer = make_proposer(spec, model, self.runner, sizes, draft)
-            if self.runner.graphs is not None and hasattr(self.proposer, "graphs"):  # its passes replay too
-                self.proposer.graphs = self.runner.make_graphs(model=self.proposer.model)
-                with torch.inference_mode():
-                    self.proposer.graphs.capture_decode(progress)  # the one-token draft passes
             self.rejection_sampler = RejectionSampler()
             self.scheduler.num_lookahead = self._num_lookahead
         self.groups: dict[str, SequenceGroup] = {}
@@ -180,6 +181,8 @@ class LLMEngine(SpecDecodeSteps):
         group = SequenceGroup(request_id, text, ids, params, seqs, RequestMetrics(time.perf_counter()), seqs[1:])
         group.metrics.token_times = [[] for _ in seqs]
         self.groups[request_id] = group
+        if needs_host_sampling(params):
+            self._host_sampled.add(request_id)
         for s in seqs:
             s.seq_id = next(self._seq_ids)
             self._group_of[s.seq_id] = group
@@ -197,31 +200,40 @@ class LLMEngine(SpecDecodeSteps):
             group = self.groups.pop(rid, None)
             if group is None:
                 continue
+            self._host_sampled.discard(rid)
             for s in group.seqs:
                 if not s.finished:
                     self.scheduler.abort(s)
                 self._group_of.pop(s.seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ---- one step: schedule -> execute -> advance -> sample -> outputs ------------------------------
 
     def step(self, unfinished_outputs: bool = True) -> list[RequestOutput]:
         """Run one scheduler step; returns the requests that got new tokens (finished ones for the last
         time). unfinished_outputs=False returns only the requests that finished: a caller that does not
-        stream skips copying every running sequence's tokens at every step."""
+        stream skips copying every running sequence's tokens at every step. With overlap scheduling
+        (chapter 13, overlap_steps.py) a step's tokens come out of the next call."""
+        if self._can_overlap():
+            return self._step_overlapped(unfinished_outputs)
+        drained = self._drain() if self._inflight is not None else []  # tokens still on the GPU come first
+        return drained + self._step_sync(unfinished_outputs)
+
+    def _step_sync(self, unfinished_outputs: bool) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        self.runner.swap_and_copy(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
+        self.executor.swap_and_copy(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
         failed, reserved = [], []
-        if self.proposer is not None:
-            self.proposer.copy_blocks(sched.blocks_to_copy)
+        if self.has_proposer:
             failed, reserved = self._propose(sched)
         if sched.is_empty:
             return failed
         logits_indices, samplers = self._logits_rows(sched)
         try:
-            logits = self.runner.execute(sched.scheduled, self.block_manager.block_tables, logits_indices)
+            step = prepare_model_input(sched.scheduled, self.block_manager.block_tables, self.config.block_size,
+                                       logits_indices)
+            logits = self.executor.execute_model(step)
         except Exception as e:  # the forward pass concerns every scheduled request
             return failed + self._fail({self._group_of[s.seq_id]: e for s, _ in sched.scheduled})
         self._advance(sched)
@@ -246,8 +258,9 @@ class LLMEngine(SpecDecodeSteps):
                 seqs.append(s)
         return rows, seqs
 
-    def _advance(self, sched: SchedulerOutput) -> None:
-        """The scheduled tokens' K/V are in the cache now: count them, and name each block they filled."""
+    def _advance(self, sched: SchedulerOutput, name_blocks: bool = True) -> None:
+        """The scheduled tokens' K/V are in the cache now: count them, and name each block they filled
+        (name_blocks=False: later, once their tokens are known; overlap_steps.py)."""
         now, bs, stats = time.perf_counter(), self.block_manager.block_size, self.engine_stats
         stats.num_steps += 1
         for seq, n in sched.scheduled:
@@ -257,7 +270,7 @@ class LLMEngine(SpecDecodeSteps):
             seq.num_computed_tokens += n
             stats.num_prompt_tokens += max(0, min(seq.num_computed_tokens, len(seq.prompt_ids)) - before)
             # a block just filled: name it for reuse (drafts: only once accepted, in _rollback)
-            if before // bs != seq.num_computed_tokens // bs and not seq.spec_token_ids:
+            if name_blocks and before // bs != seq.num_computed_tokens // bs and not seq.spec_token_ids:
                 self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     def _join_forks(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
@@ -351,10 +364,11 @@ class LLMEngine(SpecDecodeSteps):
             if group.finished:
                 group.metrics.finished_time = now
                 self.groups.pop(group.request_id, None)
+                self._host_sampled.discard(group.request_id)
                 for s in group.seqs:
                     self._group_of.pop(s.seq_id, None)
             if group.finished or unfinished_outputs:
-                outputs.append(group.to_output(self.proposer is not None))
+                outputs.append(group.to_output(self.has_proposer))
         return outputs
 
     def _fail(self, errors: dict[SequenceGroup, Exception]) -> list[RequestOutput]:
@@ -368,9 +382,10 @@ class LLMEngine(SpecDecodeSteps):
                 self.scheduler.abort(s)
                 self._group_of.pop(s.seq_id, None)
             self.groups.pop(group.request_id, None)
+            self._host_sampled.discard(group.request_id)
             group.metrics.finished_time = time.perf_counter()
             self.engine_stats.num_failed_requests += 1
-            outputs.append(group.to_output(self.proposer is not None))
+            outputs.append(group.to_output(self.has_proposer))
         return outputs
 
     # ---- warm-up ---------------------------------------------------------------------------------
@@ -397,10 +412,7 @@ class LLMEngine(SpecDecodeSteps):
         vocab, saved = self.model.config.vocab_size, self.engine_stats.snapshot()
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter()
-        self.runner.capture_token_buckets()  # every bucket up to the budget, whatever the prompt limit
-        if getattr(self.proposer, "graphs", None) is not None:  # a draft model's catch-up passes
-            with torch.inference_mode():
-                self.proposer.graphs.capture_buckets(self.max_model_len)
+        self.executor.capture_token_buckets()  # every bucket up to the budget, whatever the prompt limit
         for n in sorted(lengths):  # one at a time: each step's longest chunk is the prompt itself
             self.add_request(f"warm-up-{n}", {"prompt_token_ids": [(7 * i + n) % vocab for i in range(n)]}, params)
             while self.has_unfinished_requests():
@@ -431,17 +443,22 @@ class LLMEngine(SpecDecodeSteps):
                 "prefix_hit_rate": d["prefix_hit_rate"] if pc else None}
 
     def shutdown(self) -> None:
-        """Detach the cache from the model and let its memory go (the pool, the CUDA graphs and their
-        buffers), so another engine, or a peer in the same process, gets the GPU's memory back."""
-        self.cache.unbind(self.model)
-        if self.runner.graphs is not None:
-            self.runner.graphs.clear()
-            self.runner.graphs = None  # the static buffers too; what is left runs eagerly
-        if getattr(self.proposer, "graphs", None) is not None:  # a draft's graphs (chapter 09)
-            self.proposer.graphs.clear()
-            self.proposer.graphs = None
-        self.cache.k_caches.clear()
-        self.cache.v_caches.clear()
+        """Let the executor give its memory back (the pool, the CUDA graphs and their buffers), so another
+        engine, or a peer in the same process, gets the GPU's memory back."""
+        self.executor.shutdown()
+
+    # the in-process worker's parts (UniprocExecutor), for tests, benchmarks and notebooks that look inside
+    @property
+    def runner(self):
+        return self.executor.runner
+
+    @property
+    def cache(self):
+        return self.executor.cache
+
+    @property
+    def proposer(self):
+        return self.executor.proposer if self.has_proposer else None
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int] | None:

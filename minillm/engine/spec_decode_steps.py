@@ -11,7 +11,7 @@ speculative_config, three pieces join it, all here:
                 whole batch is greedy, through the same rule on the host (`_verify_greedy`); the emitted
                 tokens are appended one by one and the rest rolled back (`_append_verified`, `_rollback`).
 
-A mixin of LLMEngine: it reads the engine's spec_config, proposer, rejection_sampler, block_manager,
+A mixin of LLMEngine: it reads the engine's spec_config, executor, rejection_sampler, block_manager,
 engine_stats and request bookkeeping.
 """
 
@@ -48,7 +48,7 @@ class SpecDecodeSteps:
             return [], []
         seqs = [s for _, s, _ in want]
         try:
-            drafts, probs = self.proposer.propose(seqs, [k for *_, k in want], self.block_manager.block_tables)
+            drafts, probs = self.executor.propose(seqs, [k for *_, k in want], self.block_manager.block_tables)
         except Exception as e:  # a broken draft concerns the sequences it drafted for
             failed = self._fail({self._group_of[s.seq_id]: e for s in seqs})
             sched.scheduled = [(s, n) for s, n in sched.scheduled if s.seq_id in self._group_of]

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 from ..engine.block_manager import BlockManager, cdiv
-from ..engine.model_runner import ModelRunner
+from ..worker.model_input import prepare_model_input
 from .checker import CheckFailed, Verdict, _short, check
 
 SKIP = object()  # the reference could not do this operation (no room): it is not asked of the student
@@ -69,12 +69,10 @@ def check_slot_mapping(fn, cases: int = 200):
         return table, bs, start, end
 
     def reference(table, bs, start, end):
-        # ModelRunner.prepare itself, for one sequence that has start tokens cached and brings end - start
+        # the engine's own step packing, for one sequence that has start tokens cached and brings end - start
         seq = SimpleNamespace(seq_id=0, num_computed_tokens=start, prompt_ids=[0] * end, output_ids=[], num_tokens=end,
                               spec_token_ids=[])
-        runner = SimpleNamespace(block_size=bs)
-        _, _, slots, _, _ = ModelRunner.prepare(runner, [(seq, end - start)], {0: table})
-        return slots
+        return prepare_model_input([(seq, end - start)], {0: table}, bs, [end - start - 1]).slot_mapping
 
     def as_list(table, bs, start, end):
         try:

@@ -43,7 +43,9 @@ class SamplingMetadata:
 
     @classmethod
     def build(cls, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]],
-              seeds: list[int], banned: list[list[int]], vocab_size: int, device) -> SamplingMetadata:
+              seeds: list[int], banned: list[list[int]], vocab_size: int, device,
+              steps: list[int] | None = None) -> SamplingMetadata:
+        """steps: each row's RNG counter, when it is not len(outputs[i]) (a token still on the GPU)."""
         B, V = len(params), vocab_size
 
         def col(values, dtype=torch.float32):
@@ -60,7 +62,7 @@ class SamplingMetadata:
             presence_penalty=col([p.presence_penalty for p in params]),
             frequency_penalty=col([p.frequency_penalty for p in params]),
             seeds=col(seeds, torch.int64),
-            steps=col([len(o) for o in outputs], torch.int64),
+            steps=col([len(o) for o in outputs] if steps is None else steps, torch.int64),
             prompt_mask=_token_counts(prompts, B, V, device) > 0 if rep else None,
             output_counts=_token_counts(outputs, B, V, device) if pen else None,
             banned=_token_counts(banned, B, V, device) > 0 if any(banned) else None,
@@ -157,12 +159,17 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     return logits
 
 
-def filtered_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p -> the distribution to sample from, [B, V]."""
+def filtered_probs(logits: torch.Tensor, meta: SamplingMetadata,
+                   filters: tuple[bool, bool] | None = None) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p -> the distribution to sample from, [B, V]. filters: (some row
+    has top-k or top-p, some row has min-p) when the caller knows it from the requests' parameters;
+    None reads it from the tensors (a wait for the GPU: chapter 13's overlap passes it)."""
     V = logits.shape[1]
     temp = torch.where(meta.temperature > 0, meta.temperature, torch.ones_like(meta.temperature))
     logits = logits / temp[:, None]
-    if bool((meta.top_k < V).any() or (meta.top_p < 1).any()):
+    if filters is None:
+        filters = (bool((meta.top_k < V).any() or (meta.top_p < 1).any()), bool((meta.min_p > 0).any()))
+    if filters[0]:
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
         kth = sorted_logits.gather(1, (meta.top_k - 1).clamp(0, V - 1)[:, None])  # [B, 1]
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))  # ties with kth stay
@@ -171,7 +178,7 @@ def filtered_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
         sorted_logits = sorted_logits.masked_fill(before >= meta.top_p[:, None], float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     probs = torch.softmax(logits, dim=-1)
-    if bool((meta.min_p > 0).any()):
+    if filters[1]:
         floor = meta.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.model_runner import forward_packed, new_tokens, pack
 from ..layers.backend import get_kernel_mode
 from ..sampling import filtered_probs
 from ..sampling.rejection_sampler import DRAFT_STREAM, race, spec_metadata
 from ..sequence import Sequence
+from ..worker.model_input import new_tokens, pack
+from ..worker.model_runner import forward_packed
 
 
 class Proposer:
@@ -87,12 +88,13 @@ class ModelProposer(Proposer):
     def forward(self, chunks, lens: list[int], last: list[int]) -> torch.Tensor:
         """One draft pass: a captured graph when the shape fits (the one-token passes are decode
         shapes), else eagerly."""
-        packed = pack(chunks, self.block_size)
+        step = pack(chunks, self.block_size, last)
         graphs = self.graphs if get_kernel_mode() != "torch" else None
-        shape = graphs.shape_for(len(packed[0]), len(chunks), len(last)) if graphs is not None else None
+        shape = graphs.shape_for(step.num_tokens, len(chunks), len(last)) if graphs is not None else None
         if shape is not None:
-            return graphs.run(shape, *packed, lens, last)
-        return forward_packed(self.model, self.device, packed, lens, last)
+            return graphs.run(shape, step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
+                              step.block_table, lens, last)
+        return forward_packed(self.model, self.device, step)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], offsets: list[int],
                any_random: bool) -> tuple[list[int], torch.Tensor | None]:

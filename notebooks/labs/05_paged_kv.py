@@ -20,7 +20,7 @@
 # (vLLM's PagedAttention, Kwon et al., 2023). Write the two pieces of bookkeeping that make it work:
 # where each token's K/V goes (the slot mapping), and who owns which block (an allocator with
 # reference counts and copy-on-write). The checks compare your code with minillm's
-# `ModelRunner.prepare` and `BlockManager` (`minillm/engine/`) on fresh random inputs.
+# `prepare_model_input` (`minillm/worker/`) and `BlockManager` (`minillm/engine/`) on fresh random inputs.
 
 # %%
 from collections import deque
@@ -146,7 +146,7 @@ ch05.check_block_allocator(BlockAllocator)
 # %% [markdown]
 # ## What you built
 #
-# The slot mapping is one line of `ModelRunner.prepare`; the Triton kernel `store_kv` writes each new
+# The slot mapping is one line of `prepare_model_input`; the Triton kernel `store_kv` writes each new
 # token's K/V to its slot, and the paged attention kernels read K/V through the same block table. The
 # allocator is `BlockManager`: the same free list and reference counts, with `allocate_slots` growing a
 # table by any number of tokens at once (a prefill chunk or one decode token) and queuing its copies in

@@ -106,12 +106,16 @@ class StepGraphs:
         logits_per_seq per sequence, at most one per token (1 + k each: the verify of k drafts)."""
         return shape.seqs if shape.max_seqlen == 1 else min(shape.tokens, shape.seqs * self.logits_per_seq)
 
-    def run(self, shape: Shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices) -> torch.Tensor:
+    def run(self, shape: Shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices,
+            patch: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Copy one step's inputs (ModelRunner.prepare's lists; query_lens: new tokens per sequence;
         logits_indices: the token rows that want logits) into the buffers, padded to shape, and replay
         (capturing first if this shape is new); -> logits [len(logits_indices), vocab], valid until the
-        next run."""
+        next run. patch(input_ids buffer): a last edit of the token ids on the device (overlap
+        scheduling fills the rows whose tokens the previous step sampled)."""
         self._fill(shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices)
+        if patch is not None:
+            patch(self.tokens[0])
         step = self.steps.get(shape) or self._capture(shape)
         step()
         self.replays[shape] += 1

@@ -1,0 +1,6 @@
+"""Executors: how the engine reaches the model (chapter 13's seam; chapter 11 adds one process per GPU)."""
+
+from .abstract import Executor
+from .uniproc_executor import UniprocExecutor
+
+__all__ = ["Executor", "UniprocExecutor"]

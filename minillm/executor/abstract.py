@@ -1,0 +1,57 @@
+"""Executor: the seam between the engine, which decides what runs, and the workers that run it (chapter 13).
+
+`LLMEngine.step` is schedule -> execute -> advance -> sample -> outputs. Only *execute* touches the
+model, and it goes through an executor: an object with a few calls, each taking and returning plain
+data (numbers, lists, a ModelInput) or the step's logits, so the engine never holds the model, the
+KV cache, the runner or the CUDA graphs itself. Behind the seam, vLLM's two shapes:
+
+    UniprocExecutor     one Worker in this process; a call is a method call (this chapter)
+    MultiprocExecutor   one Worker per GPU, each in its own process, every call sent to all of
+                        them; rank 0 returns the logits (chapter 11, tensor parallelism)
+
+The calls, in the order an engine makes them:
+
+    determine_num_blocks()              -> (GPU blocks, CPU blocks) the memory holds
+    initialize_cache(gpu, cpu)          allocate the pools, capture the decode graphs, build the proposer
+    swap_and_copy(out, in, copies)      the scheduler's block moves for this step
+    propose(seqs, num_spec, tables)     chapter 09's drafts
+    execute_model(model_input, prev)    -> logits [rows, vocab] (prev: last step's tokens, on the GPU)
+    capture_token_buckets()             every prefill graph now (warm-up)
+    shutdown()                          give the memory back
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ..worker.model_input import ModelInput
+
+
+class Executor(ABC):
+    sizes = None  # ResolvedSizes: the context, the pools, the cache's spec (set by a subclass)
+
+    @abstractmethod
+    def determine_num_blocks(self) -> tuple[int, int]: ...
+
+    @abstractmethod
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, progress: bool = True) -> None: ...
+
+    @abstractmethod
+    def execute_model(self, model_input: ModelInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """-> logits [rows, vocab]; prev_tokens: the previous step's sampled tokens, on the device, for the
+        rows model_input.prev_token_dst names (overlap scheduling)."""
+
+    @abstractmethod
+    def swap_and_copy(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                      copies: list[tuple[int, int]]) -> None: ...
+
+    @abstractmethod
+    def propose(self, seqs, num_spec: list[int], block_tables: dict[int, list[int]]): ...
+
+    @abstractmethod
+    def capture_token_buckets(self) -> None: ...
+
+    @abstractmethod
+    def shutdown(self) -> None: ...

@@ -1,0 +1,100 @@
+"""ModelInput: one engine step as plain data, the message from the engine to its executor (chapter 13).
+
+The engine decides *what* runs (the scheduler's sequences and how many new tokens each brings); the
+worker that owns the model only needs the step's tokens and where their keys and values live. So the
+engine packs each step into lists of numbers, with no padding (chapter 02's layout) and the paged
+cache's addresses (chapter 05), for the sequences scheduled with n new tokens each:
+
+    input_ids, positions  [T]        the new tokens and their positions (T = sum of the n's)
+    slot_mapping          [T]        cache row of each new token: table[p // bs] * bs + p % bs
+    seq_lens              [B]        keys per sequence after this step (cached + new)
+    block_table           [B, W]     each sequence's blocks, padded with 0 to the widest
+    query_lens            [B]        the n's
+    logits_indices        [R]        the token rows whose logits the step returns
+    prev_token_dst/src               (chapter 13) rows whose token the GPU sampled last step, and
+                                     which row of that step's sampled tokens each takes
+
+Plain data is what lets the worker live elsewhere: in this process (UniprocExecutor), or once per GPU
+in processes of its own (chapter 11), each receiving the same message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..sequence import Sequence
+
+
+@dataclass
+class ModelInput:
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    slot_mapping: list[int]  # [T]
+    seq_lens: list[int]  # [B]
+    block_table: list[list[int]]  # [B, W]
+    query_lens: list[int]  # [B]
+    logits_indices: list[int]  # [R]
+    # overlap scheduling (chapter 13): input_ids[prev_token_dst[i]] is -1 here and takes the previous
+    # step's sampled token prev_token_src[i], on the GPU, before the forward pass
+    prev_token_dst: list[int] = field(default_factory=list)
+    prev_token_src: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+def new_tokens(seq: Sequence, start: int, n: int) -> list[int]:
+    """seq.token_ids[start:start + n] without building the whole list (decode: one token); past the
+    sequence's end, its draft tokens of this step (chapter 09: verified beside the last token). A token
+    still on its way from the GPU (chapter 13's overlap: Sequence.num_pending) reads as -1."""
+    P, end = len(seq.prompt_ids), seq.num_tokens
+    if seq.num_pending and start + n > end - seq.num_pending:
+        known = end - seq.num_pending
+        return new_tokens(seq, start, max(0, known - start)) + [-1] * (start + n - max(start, known))
+    if start + n > end:
+        return new_tokens(seq, start, end - start) + seq.spec_token_ids[: start + n - end]
+    if start >= P:
+        return seq.output_ids[start - P : start - P + n]
+    return (seq.prompt_ids[start : start + n] + seq.output_ids[: max(0, start + n - P)])[:n]
+
+
+def pack(chunks: list[tuple[int, list[int], list[int]]], block_size: int,
+         logits_indices: list[int] | None = None) -> ModelInput:
+    """(start position, new token ids, block table) per sequence -> the step's ModelInput; logits at
+    logits_indices (default: each sequence's last new token)."""
+    ids, pos, slots, seq_lens, tables, lens = [], [], [], [], [], []
+    for start, tokens, table in chunks:
+        n = len(tokens)
+        ids += tokens
+        pos += range(start, start + n)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+        seq_lens.append(start + n)
+        tables.append(table)
+        lens.append(n)
+    width = max(len(t) for t in tables)
+    if logits_indices is None:
+        logits_indices, end = [], 0
+        for n in lens:
+            end += n
+            logits_indices.append(end - 1)
+    return ModelInput(ids, pos, slots, seq_lens, [t + [0] * (width - len(t)) for t in tables], lens,
+                      list(logits_indices))
+
+
+def prepare_model_input(scheduled: list[tuple[Sequence, int]], block_tables: dict[int, list[int]],
+                        block_size: int, logits_indices: list[int]) -> ModelInput:
+    """The scheduler's (sequence, new tokens) pairs -> the step's ModelInput (engine side). A sequence's
+    token still on the GPU (Sequence.num_pending) becomes a row the worker fills from the previous
+    step's sampled tokens."""
+    step = pack([(s.num_computed_tokens, new_tokens(s, s.num_computed_tokens, n), block_tables[s.seq_id])
+                 for s, n in scheduled], block_size, logits_indices)
+    offset = 0
+    for s, n in scheduled:
+        if s.num_pending:
+            at = s.num_tokens - 1 - s.num_computed_tokens  # the pending token's place in this chunk
+            if 0 <= at < n:
+                step.prev_token_dst.append(offset + at)
+                step.prev_token_src.append(s.pending_row)
+        offset += n
+    return step

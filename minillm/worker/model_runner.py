@@ -1,0 +1,127 @@
+"""ModelRunner: run one step's ModelInput through the model, return the logits (chapters 07, 13).
+
+The engine packs each step into a ModelInput (`model_input.py`: token ids, positions, the paged
+cache's slots and block tables, the rows that want logits); the runner turns it into tensors and
+runs the forward pass. A step of a small model is a few hundred short kernels, and launching them
+from Python costs more than running them; so a step whose shape fits replays a CUDA graph instead
+(`cuda_graphs.py`: pure decode batches padded to a captured batch size, steps with prompt tokens
+padded to a token bucket).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache.paged import PagedKVCache
+from ..cache.spec import cache_layers
+from ..layers import AttentionMetadata
+from ..layers.backend import get_kernel_mode
+from ..layers.quantization.kv_cache import ensure_kv_scales
+from .cuda_graphs import StepGraphs, cuda_graph_sizes, token_buckets
+from .model_input import ModelInput
+
+
+def take_prev_tokens(input_ids: torch.Tensor, step: ModelInput, prev_tokens: torch.Tensor | None) -> None:
+    """Overlap scheduling (chapter 13): fill the rows whose token the previous step sampled on the GPU
+    (step.prev_token_dst, -1 on the host) from its sampled tokens, without the host ever seeing them."""
+    if not step.prev_token_dst:
+        return
+    if prev_tokens is None:
+        raise ValueError("this step takes tokens sampled by the previous one, but none were given")
+    device = input_ids.device
+    dst = torch.tensor(step.prev_token_dst, dtype=torch.long).to(device, non_blocking=True)  # [P]
+    src = torch.tensor(step.prev_token_src, dtype=torch.long).to(device, non_blocking=True)  # [P]
+    input_ids.index_copy_(0, dst, prev_tokens.index_select(0, src).to(input_ids.dtype))
+
+
+def forward_packed(model, device, step: ModelInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """One eager forward pass over a ModelInput; -> logits [len(step.logits_indices), vocab] fp32."""
+    meta = AttentionMetadata.from_seq_lens(step.query_lens, device)
+    meta.seq_lens = torch.tensor(step.seq_lens, dtype=torch.int32, device=device)  # [B]
+    meta.block_table = torch.tensor(step.block_table, dtype=torch.int32, device=device)  # [B, W]
+    meta.slot_mapping = torch.tensor(step.slot_mapping, dtype=torch.int64, device=device)  # [T]
+    input_ids = torch.tensor(step.input_ids, device=device)  # [T]
+    take_prev_tokens(input_ids, step, prev_tokens)
+    hidden = model(input_ids, torch.tensor(step.positions, device=device), meta)  # [T, hidden]
+    rows = torch.tensor(step.logits_indices, dtype=torch.long, device=device)  # [rows]
+    return model.compute_logits(hidden[rows])  # [rows, vocab]
+
+
+class ModelRunner:
+    def __init__(self, model, cache: PagedKVCache, config, max_model_len: int):
+        self.model, self.cache = model, cache
+        self.block_size = cache.block_size
+        self.device = cache.device
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)  # ceil
+        # graphs hold minillm's Triton kernels: MINILLM_KERNELS=torch (the references) runs eagerly
+        self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
+                                and get_kernel_mode() != "torch")
+        self.graph_sizes = cuda_graph_sizes(config.max_num_seqs, config.cuda_graph_max_batch)
+        max_tokens = config.cuda_graph_max_tokens
+        self.token_buckets = token_buckets(config.max_num_batched_tokens if max_tokens is None else max_tokens)
+        self.max_num_seqs = config.max_num_seqs
+        spec = config.speculative_config  # chapter 09: a verify wants logits at 1 + k rows per sequence
+        self.logits_per_seq = 1 + spec.num_speculative_tokens if spec is not None else 1
+        self._first_layer = cache_layers(model)[0]
+        ensure_kv_scales(model, cache.specs[0].dtype)  # a quantized cache: scales calibrated before any graph
+        cache.bind(model)
+        self.graphs = self.make_graphs() if self.use_cuda_graphs else None
+
+    def make_graphs(self, capture: bool = True, model=None) -> StepGraphs:
+        """The static buffers and graphs; capture=False runs the same padded steps eagerly (tests).
+        model: another model's steps on the same sizes (chapter 09's draft passes; one logits row a
+        sequence)."""
+        if model is not None:
+            return StepGraphs(model, self.device, self.graph_sizes, self.token_buckets, self.max_num_seqs,
+                              self.max_blocks_per_seq, capture)
+        return StepGraphs(self.model, self.device, self.graph_sizes, self.token_buckets, self.max_num_seqs,
+                          self.max_blocks_per_seq, capture, self.logits_per_seq)
+
+    @torch.inference_mode()
+    def execute(self, step: ModelInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step; -> logits [len(step.logits_indices), vocab] fp32 at those rows of the packed
+        tokens (vLLM's logits_indices: each sampling sequence's last token; chapter 09 asks for several
+        per sequence, one per draft token). prev_tokens: the previous step's sampled tokens on the
+        device, for the rows step.prev_token_dst names (overlap scheduling)."""
+        self.bind()
+        graphs = self._live_graphs()
+        shape = (graphs.shape_for(step.num_tokens, len(step.query_lens), len(step.logits_indices))
+                 if graphs is not None else None)
+        if shape is not None:
+            return graphs.run(shape, step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
+                              step.block_table, step.query_lens, step.logits_indices,
+                              lambda ids: take_prev_tokens(ids, step, prev_tokens))
+        return forward_packed(self.model, self.device, step, prev_tokens)
+
+    def bind(self) -> None:
+        """Point the model's attention layers at the pool (again, if someone else, chapter 03's
+        one-request path, used the model meanwhile)."""
+        if self._first_layer.kv_cache is None or self._first_layer.kv_cache[0] is not self.cache.k_caches[0]:
+            self.cache.bind(self.model)
+
+    def swap_and_copy(self, swap_out, swap_in, copies) -> None:
+        """Block moves the scheduler asked for, before the step's forward pass writes anything."""
+        self.cache.swap_out(swap_out)
+        self.cache.swap_in(swap_in)
+        self.cache.copy_blocks(copies)
+
+    # ---- CUDA graphs -----------------------------------------------------------------------------
+
+    def _live_graphs(self) -> StepGraphs | None:
+        """The graphs, unless kernel_mode("torch") was switched on after start-up: they hold minillm's
+        Triton kernels, and the references must run eagerly (they synchronise with the host)."""
+        return self.graphs if get_kernel_mode() != "torch" else None
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self, progress: bool = True) -> None:
+        """Record one decode step per batch size in graph_sizes now; steps with prompt tokens are
+        captured per token bucket when first needed."""
+        if (graphs := self._live_graphs()) is not None:
+            graphs.capture_decode(progress)
+
+    @torch.inference_mode()
+    def capture_token_buckets(self) -> None:
+        """Record every token bucket's graph now (LLMEngine.warm_up), not at its first step."""
+        if (graphs := self._live_graphs()) is not None:
+            graphs.capture_buckets(self.max_model_len)

@@ -1,0 +1,95 @@
+"""Worker: one model on one device, with everything that holds its memory (chapter 13).
+
+The engine (minillm/engine/) decides what runs; a worker runs it. A worker owns
+
+    the model          its weights (chapter 11: only this rank's shard)
+    the KV cache       the paged pool of every attention layer (chapter 05), sized by the engine
+    the ModelRunner    a step's ModelInput -> tensors -> forward pass -> logits
+    the CUDA graphs    captured once per batch size and token bucket (chapter 07)
+    the proposer       chapter 09's drafter, whose forward passes run on this model and cache
+
+and is driven by an executor (minillm/executor/) through a handful of calls: how many KV blocks fit,
+build the cache of that many, run a step, move blocks, draft, let everything go. In one process the
+executor calls these methods directly; with tensor parallelism there is one worker per GPU, each in
+its own process, and the executor sends every one of them the same calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..cache.paged import PagedKVCache
+from .model_input import ModelInput
+from .model_runner import ModelRunner
+
+
+class Worker:
+    def __init__(self, model, config, draft_model=None):
+        self.model, self.config, self.draft_model = model, config, draft_model
+        self.sizes = config.resolve(model, draft_model)  # the context, and what memory allows
+        self.cache: PagedKVCache | None = None
+        self.runner: ModelRunner | None = None
+        self.proposer = None
+
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """(GPU blocks, CPU blocks) this worker's memory holds (the engine takes the minimum over workers)."""
+        return self.sizes.num_gpu_blocks, self.sizes.num_cpu_blocks
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, progress: bool = True) -> None:
+        """Allocate the KV pools, bind the model's attention layers to them, capture the decode graphs."""
+        self.sizes = sizes = dataclasses.replace(self.sizes, num_gpu_blocks=num_gpu_blocks,
+                                                 num_cpu_blocks=num_cpu_blocks)
+        self.cache = PagedKVCache(list(sizes.kv_cache_spec), num_gpu_blocks, self.config.block_size, sizes.device,
+                                  num_cpu_blocks)
+        self.runner = ModelRunner(self.model, self.cache, self.config, sizes.max_model_len)
+        self.runner.capture_cuda_graphs(progress)
+
+    def attach_proposer(self, proposer, progress: bool = True) -> None:
+        """Chapter 09's drafter (built by the executor, spec_decode.make_proposer): a model-based one
+        gets CUDA graphs of its own passes, on this worker's sizes."""
+        self.proposer = proposer
+        if self.runner.graphs is not None and hasattr(proposer, "graphs"):  # its passes replay too
+            proposer.graphs = self.runner.make_graphs(model=proposer.model)
+            with torch.inference_mode():
+                proposer.graphs.capture_decode(progress)  # the one-token draft passes
+
+    def execute_model(self, step: ModelInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """-> logits [len(step.logits_indices), vocab] fp32 (prev_tokens: the last step's sampled tokens,
+        on the device, when the step takes some of them: overlap scheduling)."""
+        return self.runner.execute(step, prev_tokens)
+
+    def swap_and_copy(self, swap_out, swap_in, copies) -> None:
+        """Block moves the scheduler asked for, before the step's forward pass writes anything; a
+        proposer with a cache of its own mirrors the copies."""
+        self.runner.swap_and_copy(swap_out, swap_in, copies)
+        if self.proposer is not None:
+            self.proposer.copy_blocks(copies)
+
+    def propose(self, seqs, num_spec: list[int], block_tables: dict[int, list[int]]):
+        """Chapter 09's drafts: -> (draft tokens per sequence, q or None)."""
+        return self.proposer.propose(seqs, num_spec, block_tables)
+
+    def capture_token_buckets(self, max_model_len: int) -> None:
+        """Every token bucket's graph now (LLMEngine.warm_up), the draft's catch-up passes too."""
+        self.runner.capture_token_buckets()
+        if getattr(self.proposer, "graphs", None) is not None:
+            with torch.inference_mode():
+                self.proposer.graphs.capture_buckets(max_model_len)
+
+    def shutdown(self) -> None:
+        """Detach the cache from the model and let its memory go (the pool, the CUDA graphs and their
+        buffers), so another engine, or a peer in the same process, gets the GPU's memory back."""
+        if self.cache is None:
+            return
+        self.cache.unbind(self.model)
+        if self.runner.graphs is not None:
+            self.runner.graphs.clear()
+            self.runner.graphs = None  # the static buffers too; what is left runs eagerly
+        if getattr(self.proposer, "graphs", None) is not None:  # a draft's graphs (chapter 09)
+            self.proposer.graphs.clear()
+            self.proposer.graphs = None
+        self.cache.k_caches.clear()
+        self.cache.v_caches.clear()
+
