@@ -178,7 +178,7 @@ def test_profile_decode_step_on_cpu():
     engine = LLMEngine(model, NoTextTokenizer(), [], EngineConfig(block_size=4, num_gpu_blocks=64), progress=False)
     prof = serving.profile_decode_step(engine, 3, steps=4, warmup=1, prompt_len=5)
     assert prof["batch_size"] == 3 and prof["gpu_kernel_ms"] is None and prof["gap_ms"] is None
-    for key in ("wall_ms", "schedule_ms", "prepare_ms", "model_ms", "sample_ms", "other_ms"):
+    for key in ("wall_ms", "schedule_ms", "prepare_ms", "launch_ms", "sample_ms", "other_ms"):
         assert prof[key] >= 0, key
     assert not engine.has_unfinished_requests() and engine.block_manager.num_free_blocks == 63  # left idle
     with pytest.raises(ValueError, match="exceeds the engine's max_num_seqs"):

@@ -20,6 +20,8 @@ WORKLOADS = {
                    "256 random requests through the engine vs HF generate with static batches"),
     "latency": ("minillm.bench.serving:latency", "batch 1, 128-token prompt, 256 new tokens vs HF generate, "
                 "% of the weight-reading floor"),
+    "profile": ("minillm.bench.profile", "one decode step per batch size, overlap scheduling on and off: wall vs "
+                "GPU kernel time, kernels per step and per layer, host phases, top kernels (chapter 13)"),
     "spec": ("minillm.bench.spec", "speculative decoding: each proposer vs plain decoding, acceptance, step costs, "
              "predicted vs measured speedup (chapter 09)"),
     "serve": ("minillm.bench.serve", "load an OpenAI-compatible server (--base-url): TTFT/TPOT/ITL/E2E percentiles, "

@@ -51,7 +51,8 @@ THROUGHPUT_SIZES = dict(num_requests=(256, 8), min_input_len=(100, 16), max_inpu
                         min_output_len=(100, 16), max_output_len=(1024, 64), hf_batch_size=(64, 4))
 LATENCY_SIZES = dict(input_len=(128, 32), output_len=(256, 32))
 ENGINE_ARGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enforce_eager",
-               "num_gpu_blocks", "preemption_mode", "enable_prefix_caching", "cuda_graph_max_tokens", "kv_cache_dtype")
+               "num_gpu_blocks", "preemption_mode", "enable_prefix_caching", "cuda_graph_max_tokens", "kv_cache_dtype",
+               "async_scheduling")
 
 
 def _sizes(defaults: dict, given: dict, device: torch.device) -> dict:
@@ -292,6 +293,8 @@ def add_arguments(parser, workload: str) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the GPU if there is one)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const=False, default=None,
+                   help="no overlap scheduling (chapter 13): the host waits for each step's tokens")
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks", "cuda_graph_max_tokens"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=None)

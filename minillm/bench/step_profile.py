@@ -1,20 +1,22 @@
-"""Where a decode step's time goes: `profile_decode_step(engine, batch_size)` (chapter 07).
+"""Where a decode step's time goes: `profile_decode_step(engine, batch_size)` (chapters 07 and 13).
 
 A decode step of a small model does little GPU work; what it costs beyond its kernels is the host:
 scheduling, packing the inputs, launching (or replaying a CUDA graph), sampling, bookkeeping. This
 runs `batch_size` requests into steady-state decode on an idle engine and measures, per step:
 
-    wall_ms        one engine.step(), start to finish (the step ends on the host, after the sampled
-                   tokens came back, so the GPU work is inside it)
-    gpu_kernel_ms  (GPU) the sum of the kernels' durations, from torch.profiler; None on a CPU
-    gap_ms         (GPU) wall - kernels: time the GPU sat idle waiting for the host (launches, Python)
-    schedule_ms, prepare_ms, model_ms, sample_ms, other_ms
-                   host time by phase: Scheduler.schedule, ModelRunner.prepare, the rest of
-                   ModelRunner.execute (the forward pass, up to the GPU finishing it: a
-                   synchronize is added after it, so sampling is not billed for the GPU's work),
-                   the sampler (argmax and the copy of the tokens to the host), and what is left
-                   (stop checks, detokenizing, outputs). Measured in a separate pass, since the
-                   added synchronize changes the step a little.
+    wall_ms          one engine.step(), call to call, the GPU kept busy as in serving (no added waits)
+    gpu_kernel_ms    (GPU) the sum of the kernels' durations, from torch.profiler; None on a CPU
+    gpu_busy_pct     (GPU) kernels / wall: the share of the step the GPU was working
+    gap_ms           (GPU) wall - kernels: time the GPU sat idle waiting for the host
+    kernels_per_step, kernels_per_layer   (GPU) kernel launches in one step, and per decoder layer
+    top_kernels      (GPU) the kernels that take the most time per step: name, launches, µs
+    schedule_ms, prepare_ms, launch_ms, sample_ms, other_ms
+                     host time by phase: Scheduler.schedule; packing the ModelInput; the executor's
+                     execute_model (input copies, graph replay or eager launches); sampling (queued on
+                     the GPU with overlap, a wait for the GPU's tokens without it); and the rest
+                     (bookkeeping: appending tokens, stop checks, outputs; with overlap it also waits
+                     for the previous step's tokens). Measured in a separate pass with timers around
+                     each phase, which add a little host time of their own.
 
 Each figure is a median over `steps` steps. The requests are aborted at the end, leaving the engine idle.
 """
@@ -37,19 +39,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed_steps(engine, n: int, device) -> list[float]:
-    out = []
+def _timed_steps(engine, n: int) -> list[float]:
+    """Seconds between consecutive step() returns: what a caller that steps in a loop sees."""
+    out, t0 = [], time.perf_counter()
     for _ in range(n):
-        _sync(device)
-        t0 = time.perf_counter()
         engine.step()
-        _sync(device)
-        out.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        out.append(t1 - t0)
+        t0 = t1
     return out
 
 
-def _kernel_seconds(engine, n: int) -> float:
-    """Sum of GPU kernel (and memcpy/memset) durations over n steps, by torch.profiler."""
+def _kernels(engine, n: int, top: int) -> tuple[float, float, list[dict]]:
+    """Kernel (and memcpy/memset) seconds and launches per step over n steps, by torch.profiler; the top
+    kernels by time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -60,62 +63,69 @@ def _kernel_seconds(engine, n: int) -> float:
                 engine.step()
             torch.cuda.synchronize()
         averages = prof.key_averages()
-    total_us = 0.0
+    rows = []
     for evt in averages:
         if evt.device_type == DeviceType.CUDA:  # device activity only: CPU ops would count their kernels twice
-            total_us += getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
-    return total_us / 1e6
+            us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
+            rows.append({"name": evt.key[:80], "launches_per_step": evt.count / n, "us_per_step": us / n})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total_s = sum(r["us_per_step"] for r in rows) / 1e6
+    launches = sum(r["launches_per_step"] for r in rows if not r["name"].startswith("Memcpy"))
+    return total_s, launches, rows[:top]
 
 
-def _host_split(engine, n: int, device) -> dict:
+def _host_split(engine, n: int) -> dict:
     """Per-phase host seconds per step, by wrapping the phases' methods on these instances for n steps."""
-    spent = {"schedule": [], "prepare": [], "execute": [], "sample": []}
-    owners = {"schedule": engine.scheduler, "prepare": engine.runner, "execute": engine.runner, "sample": engine}
-    names = {"schedule": "schedule", "prepare": "prepare", "execute": "execute", "sample": "_sample"}
+    phases = {"schedule": (engine.scheduler, "schedule"), "prepare": (engine, "_prepare"),
+              "launch": (engine.executor, "execute_model"), "sample": (engine, "_sample"),
+              "sample_device": (engine, "_sample_device")}
+    spent = {key: [0.0] * n for key in phases}
+    step = [0]
 
-    def wrap(key):
-        fn = getattr(owners[key], names[key])
-
+    def wrap(key, fn):
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
-            result = fn(*args, **kwargs)
-            if key == "execute":
-                _sync(device)  # the forward pass ends when the GPU is done, not when its launches are
-            spent[key].append(time.perf_counter() - t0)
-            return result
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key][step[0]] += time.perf_counter() - t0
 
         return timed
 
-    for key in spent:
-        setattr(owners[key], names[key], wrap(key))  # an instance attribute shadows the method
+    for key, (owner, name) in phases.items():
+        setattr(owner, name, wrap(key, getattr(owner, name)))  # an instance attribute shadows the method
+    walls = []
     try:
-        walls = _timed_steps(engine, n, device)
+        for i in range(n):
+            step[0] = i
+            t0 = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t0)
     finally:
-        for key in spent:
-            delattr(owners[key], names[key])
-    per = spent  # one entry per step and phase (each phase runs once in a decode step)
-    model = [e - p for e, p in zip(per["execute"], per["prepare"])]  # prepare runs inside execute
-    other = [w - s - e - m for w, s, e, m in zip(walls, per["schedule"], per["execute"], per["sample"])]
+        for owner, name in phases.values():
+            delattr(owner, name)
+    sample = [a + b for a, b in zip(spent["sample"], spent["sample_device"])]
+    named = [sum(v) for v in zip(spent["schedule"], spent["prepare"], spent["launch"], sample)]
     med = statistics.median
-    return {"schedule_ms": 1e3 * med(per["schedule"]), "prepare_ms": 1e3 * med(per["prepare"]),
-            "model_ms": 1e3 * med(model), "sample_ms": 1e3 * med(per["sample"]), "other_ms": 1e3 * med(other),
-            "instrumented_wall_ms": 1e3 * med(walls)}
+    return {"schedule_ms": 1e3 * med(spent["schedule"]), "prepare_ms": 1e3 * med(spent["prepare"]),
+            "launch_ms": 1e3 * med(spent["launch"]), "sample_ms": 1e3 * med(sample),
+            "other_ms": 1e3 * med(w - s for w, s in zip(walls, named)), "instrumented_wall_ms": 1e3 * med(walls)}
 
 
 def profile_decode_step(engine, batch_size: int, *, steps: int = 10, warmup: int = 3, prompt_len: int = 32,
-                        seed: int = 0) -> dict:
+                        seed: int = 0, top: int = 8) -> dict:
     """Where one decode step of `batch_size` running requests spends its time (see the module docstring)."""
-    for name, value in (("batch_size", batch_size), ("steps", steps), ("prompt_len", prompt_len)):
+    for name, value in (("batch_size", batch_size), ("steps", steps), ("prompt_len", prompt_len), ("top", top)):
         check_int(name, value)
     if batch_size > engine.config.max_num_seqs:
         raise ValueError(f"batch_size ({batch_size}) exceeds the engine's max_num_seqs ({engine.config.max_num_seqs})")
     if engine.has_unfinished_requests():
         raise ValueError("profile_decode_step needs an idle engine (it has unfinished requests)")
-    device = engine.cache.device
+    device = engine.sizes.device
     gpu = device.type == "cuda"
     rng = random.Random(seed)
     vocab = engine.model.config.vocab_size
-    new = warmup + 3 * steps + 2  # three measured passes, and room so nobody finishes inside one
+    new = warmup + 3 * steps + 4  # three measured passes, and room so nobody finishes inside one
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     ids = [f"profile-{i}" for i in range(batch_size)]
     for rid in ids:
@@ -124,17 +134,23 @@ def profile_decode_step(engine, batch_size: int, *, steps: int = 10, warmup: int
         seqs = [engine.groups[rid].seqs[0] for rid in ids]
         while not all(s.output_ids for s in seqs):  # prefills (maybe chunked) until everyone decodes
             engine.step()
-        _timed_steps(engine, warmup, device)
+        _timed_steps(engine, warmup)
         preempted = engine.stats["num_preemptions"]
-        walls = _timed_steps(engine, steps, device)
-        kernel = _kernel_seconds(engine, steps) / steps if gpu else None
-        host = _host_split(engine, steps, device)
+        wall = statistics.median(_timed_steps(engine, steps))
+        kernel_s, launches, top_rows = _kernels(engine, steps, top) if gpu else (None, None, [])
+        host = _host_split(engine, steps)
         if engine.stats["num_preemptions"] != preempted:
             raise RuntimeError("requests were preempted while profiling: give the engine more KV blocks")
-        wall = statistics.median(walls)
+        layers = getattr(engine.model.config, "num_hidden_layers", None)
         return {"device": str(device), "batch_size": batch_size, "steps": steps,
                 "context_len": prompt_len + warmup + steps, "cuda_graphs": engine.runner.use_cuda_graphs,
-                "wall_ms": 1e3 * wall, "gpu_kernel_ms": 1e3 * kernel if gpu else None,
-                "gap_ms": 1e3 * (wall - kernel) if gpu else None, **host}
+                "async_scheduling": engine.async_scheduling, "wall_ms": 1e3 * wall,
+                "gpu_kernel_ms": 1e3 * kernel_s if gpu else None,
+                "gpu_busy_pct": 100 * kernel_s / wall if gpu else None,
+                "gap_ms": 1e3 * (wall - kernel_s) if gpu else None,
+                "kernels_per_step": launches, "kernels_per_layer": launches / layers if gpu and layers else None,
+                "top_kernels": top_rows, **host}
     finally:
         engine.abort_request(ids)
+        while engine.has_unfinished_requests():  # the step in flight (overlap) ends with the aborted requests
+            engine.step()

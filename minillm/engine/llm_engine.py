@@ -54,7 +54,7 @@ from ..sampling.rejection_sampler import RejectionSampler
 from ..sequence import Sequence, append_tokens, make_sequences
 from ..spec_decode import SpecDecodeMetrics
 from ..spec_decode.draft_model import load_draft_model
-from ..worker.model_input import prepare_model_input
+from ..worker.model_input import ModelInput, prepare_model_input
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .overlap_steps import OverlapSteps, needs_host_sampling
@@ -231,9 +231,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
             return failed
         logits_indices, samplers = self._logits_rows(sched)
         try:
-            step = prepare_model_input(sched.scheduled, self.block_manager.block_tables, self.config.block_size,
-                                       logits_indices)
-            logits = self.executor.execute_model(step)
+            logits = self.executor.execute_model(self._prepare(sched, logits_indices))
         except Exception as e:  # the forward pass concerns every scheduled request
             return failed + self._fail({self._group_of[s.seq_id]: e for s, _ in sched.scheduled})
         self._advance(sched)
@@ -245,6 +243,11 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
             if not seq.finished:
                 self.block_manager.trim(seq.seq_id, seq.num_tokens)
         return failed + self._outputs([s for s in seqs if s.seq_id in self._group_of], unfinished_outputs)
+
+    def _prepare(self, sched: SchedulerOutput, logits_indices: list[int]) -> ModelInput:
+        """The step as plain data for the executor (worker/model_input.py)."""
+        return prepare_model_input(sched.scheduled, self.block_manager.block_tables, self.config.block_size,
+                                   logits_indices)
 
     def _logits_rows(self, sched: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
         """Which rows of the step's packed tokens get logits (vLLM's logits_indices), and whose they are: a

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from ..outputs import RequestOutput
 from ..sampling.device_sampler import SampledTokens, device_samplable, sample_on_device
 from ..sequence import Sequence
-from ..worker.model_input import prepare_model_input
 
 
 @dataclass
@@ -66,16 +65,13 @@ class OverlapSteps:
             return self._drain()
         logits_indices, samplers = self._logits_rows(sched)
         try:
-            step = prepare_model_input(sched.scheduled, self.block_manager.block_tables, self.config.block_size,
-                                       logits_indices)
+            step = self._prepare(sched, logits_indices)
             logits = self.executor.execute_model(step, prev.sampled.next_input if prev is not None else None)
             filled = self._count_computed(sched)
             seqs, logits = self._join_forks(samplers, logits) if samplers else ([], None)
             inflight = None
             if seqs:
-                sampled = sample_on_device(logits, [s.params for s in seqs], [s.seed for s in seqs],
-                                           [len(s.output_ids) + s.num_pending for s in seqs])
-                inflight = InflightStep(seqs, sampled, filled, unfinished_outputs)
+                inflight = InflightStep(seqs, self._sample_device(seqs, logits), filled, unfinished_outputs)
         except Exception as e:  # the forward pass (or its sampling) concerns every scheduled request
             failed = self._fail({self._group_of[s.seq_id]: e for s, _ in sched.scheduled if s.seq_id in self._group_of})
             return self._drain() + failed
@@ -92,6 +88,11 @@ class OverlapSteps:
         outputs = self._process(prev) if prev is not None else []
         self._inflight = inflight
         return outputs
+
+    def _sample_device(self, seqs: list[Sequence], logits) -> SampledTokens:
+        """Queue the step's sampling on the GPU; each row's RNG counter counts its pending tokens too."""
+        return sample_on_device(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                                [len(s.output_ids) + s.num_pending for s in seqs])
 
     def _count_computed(self, sched) -> list[tuple[Sequence, int, int]]:
         """_advance's counting, without naming blocks (their tokens may still be on the GPU)."""
