@@ -134,3 +134,29 @@ def test_requests_that_need_the_host_are_not_device_sampled():
     assert device_samplable(SamplingParams(min_tokens=3), 3)
     with pytest.raises(TypeError, match="async_scheduling"):
         EngineConfig(async_scheduling="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs, overlap on the device)")
+@pytest.mark.parametrize("case", range(3))
+def test_overlapped_engine_on_gpu_with_cuda_graphs(seed, tok, case):
+    """On the GPU, with CUDA graphs (decode sizes and token buckets) and overlap on (the default there):
+    every request's tokens are its one-request tokens; overlap off gives the same outputs. fp32, so a
+    batch shape's GEMM choice cannot flip near-ties."""
+    rng = random.Random(seed * 10 + case)
+    model, config = random_model(rng)
+    model = model.to("cuda")
+    requests = random_requests(rng, config.vocab_size, rng.randrange(6, 14))
+    expected = [alone(model, tok, p, sp) for p, sp in requests]
+    outs = []
+    for overlap in (None, False):
+        engine = LLMEngine(model, tok, [], random_engine_config(rng, requests, case, async_scheduling=overlap,
+                                                                cuda_graph_max_batch=16), progress=False)
+        assert engine.runner.graphs is not None and engine.async_scheduling is (overlap is None)
+        for i, (p, sp) in enumerate(requests):
+            engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+        got, overlapped = _drain(engine)
+        assert (overlapped > 0) is (overlap is None)
+        outs.append({r: [c.token_ids for c in o.outputs] for r, o in got.items()})
+        engine.shutdown()
+    assert outs[0] == outs[1] == {f"r{i}": want for i, want in enumerate(expected)}

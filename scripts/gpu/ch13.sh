@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Chapter 13 on the GPU machine, in two calls back to back (the embedded model travels in two halves):
+#
+#   call A, carry [.gpu/model-a, .gpu/min]:  bash scripts/gpu/ch13.sh A   (dummy-weight benchmarks)
+#   call B, carry [.gpu/model-b, .gpu/nb]:   bash scripts/gpu/ch13.sh B   (GPU tests, notebook 13)
+#
+# .gpu/min holds the gguf wheel, .gpu/nb the Jupyter stack too (../shared/tools/gpu-wheelhouse.sh, then
+# copy). Logs and JSON go to $OUT; each part runs under `timeout` so the script always ends with a tar.
+set -uo pipefail
+SITE=/tmp/minillm-site MODEL=/root/minillm-model/SmolLM2-135M-Instruct.Q4_1.gguf
+export PYTHONPATH=$SITE PATH=$SITE/bin:$PATH MINILLM_MODEL=$MODEL PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+part=$1; out=${OUT:?}; mkdir -p "$out"
+install() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE "$1"/*.whl
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target $SITE --upgrade .
+}
+run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 2>&1 | tee "$out/$name.log" | tail -40; }
+case "$part" in
+  A)
+    install .gpu/min
+    mkdir -p "$(dirname $MODEL)" && cat .gpu/model-a > "$MODEL.part"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+    python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
+    echo "commit ${COMMIT:-unknown}, $(date -u +%F)" | tee -a "$out/gpu.txt"
+    for m in smollm2-135m qwen3-0.6b; do
+      run "latency-$m" 150 python3 -m minillm bench latency --model $m-dummy --no-hf --json "$out/latency-$m.json"
+    done
+    run profile-smollm2 150 python3 -m minillm bench profile --model smollm2-135m-dummy --batch-sizes 1,64,256 --json "$out/profile-smollm2.json"
+    run throughput-qwen3-0.6b 150 python3 -m minillm bench throughput --model qwen3-0.6b-dummy --no-hf --json "$out/throughput-qwen3-0.6b.json"
+    ;;
+  B)
+    install .gpu/nb
+    cat .gpu/model-b >> "$MODEL.part" && mv "$MODEL.part" "$MODEL" && ls -la "$MODEL"
+    python3 -m ipykernel install --user --name python3 >/dev/null 2>&1
+    run pytest-gpu 420 python3 -m pytest tests/test_overlap.py tests/test_engine.py tests/test_engine_robust.py \
+        tests/test_bench_serving.py tests/test_spec_engine.py -q -n 8 -rfEs -p no:cacheprovider
+    for nb in ${NOTEBOOKS:-}; do run "nb-$(basename $nb .ipynb)" 300 python3 -m minillm.nbrun "$nb"; cp "$nb" "$out/"; done
+    ;;
+esac
+cd "$out" && tar czf "results-$part.tgz" --exclude='*.tgz' . && find . -type f ! -name '*.tgz' -delete; ls -la
