@@ -322,9 +322,9 @@ def test_verify_steps_replay_the_padded_graph_steps(seed, tok, method):
     graphs, verified = engine.runner.graphs, []
     run = graphs.run
 
-    def spy(shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices):
+    def spy(shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices, *patch):
         verified.append(len(logits_indices) > len(seq_lens))
-        return run(shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices)
+        return run(shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices, *patch)
 
     graphs.run = spy
     for i, p in enumerate(prompts):
