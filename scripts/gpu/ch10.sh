@@ -14,13 +14,13 @@ export PYTHONUNBUFFERED=1
 part() {
   case "$1" in
     tune)  # the installed package's table folder is where the bench below reads it
-      timeout 150 python3 -m minillm bench moe --tune --tune-budget 100 --tune-copy-to "$OUT" 2>&1 \
+      timeout 135 python3 -m minillm bench moe --tune --tune-budget 80 --tune-copy-to "$OUT" 2>&1 \
         | tee "$OUT/ch10-tune.log" ;;
     bench)
-      timeout 150 python3 -m minillm bench moe --quick --json "$OUT/ch10-bench-moe.json" 2>&1 | grep -v "it/s\]" \
+      timeout 130 python3 -m minillm bench moe --quick --json "$OUT/ch10-bench-moe.json" 2>&1 | grep -v "it/s\]" \
         | tee "$OUT/ch10-bench-moe.log" ;;
     tests)
-      timeout 100 python3 -m pytest tests/test_kernels_moe.py tests/test_kernels_mla.py tests/test_mla.py \
+      timeout 90 python3 -m pytest tests/test_kernels_moe.py tests/test_kernels_mla.py tests/test_mla.py \
         -k "not absorbed_equals_naive and not yarn" -q -p no:cacheprovider -rs --durations=8 -x 2>&1 | tail -30 \
         | tee "$OUT/ch10-tests.log" ;;
     e2e)
