@@ -15,6 +15,14 @@ found through the block table as in flash_decode.py (key j of sequence b: row j 
 block block_table[b, j // block_size]), and the keys are split across programs (split-KV, merged by
 flash_decode's combine kernel) when batch x head blocks alone cannot fill the GPU.
 
+How many heads a program takes decides what limits it. Per key the kernel reads L + R = 576
+numbers (1,152 bytes in bf16) and does 2 H (L + R + L) FLOP: 30 FLOP per byte at V2-Lite's 16
+heads, far below an H100's ridge (about 265), so that case is a copy and a head block of 16 (the
+smallest tl.dot) suffices. At V3's 128 heads it is 242 FLOP per byte, at the ridge: with 16 heads
+per program the latent cache would be read 8 times and every MMA would be 16 rows tall. So above 16
+heads a program takes 32 or 64 (tuned): one latent tile feeds an MMA of M = 64, and the head blocks
+of one (row, split) are launched side by side so the second one's reads hit L2.
+
 One query row per program, with its own number of visible keys: a decode token sees its whole
 sequence, a prompt token of a prefill chunk only the keys up to itself. So the same kernel serves
 decode and (absorbed) prefill, and it runs inside CUDA graphs: nothing is read back to the host.
@@ -32,6 +40,7 @@ from .flash_attn import LOG2E, dot, prune_fp32
 from .flash_decode import MAX_SPLITS, SPLIT_GRAIN, _flash_decode_combine, sm_count
 
 FEW_HEADS = 16  # at most this many heads: one head block of 16, the fewest rows tl.dot takes
+FEW_HEADS_FILL_WAVES = True  # the split rule at few heads (choose_num_splits; bench moe times both)
 
 
 def _configs(many_heads: bool) -> list[triton.Config]:
@@ -119,14 +128,16 @@ _mla_many_heads = triton.autotune(configs=_configs(True), key=_KEY,
                                   prune_configs_by={"early_config_prune": prune_fp32})(_mla_decode_split)
 
 
-def choose_num_splits(rows: int, head_blocks: int, max_keys: int, num_sms: int, many_heads: bool) -> int:
-    """How many slices to cut each row's keys into. Few heads (memory-bound): about two waves of
-    programs, as flash_decode does. Many heads (compute-bound): every split costs a [H, 512] fp32
-    partial written and read again, so the fewest splits that fill whole waves: the first count whose
-    programs leave their last wave over the SMs at least 85 % full."""
-    limit = max(1, min(triton.cdiv(max_keys, SPLIT_GRAIN), MAX_SPLITS))  # no split shorter than a key tile
+def choose_num_splits(rows: int, head_blocks: int, max_keys: int, num_sms: int, fill_waves: bool = True) -> int:
+    """How many slices to cut each row's keys into (no slice shorter than a key tile, at most MAX_SPLITS).
+
+    fill_waves: the fewest splits whose programs leave their last wave over the SMs at least 85 %
+    full. Every split costs a [H, 512] fp32 partial written and read again by the combine, and a
+    wave that is mostly empty costs a whole program's time: 288 programs on 132 SMs run as 3 waves
+    with the third 18 % full. Else flash_decode's rule: about two programs per SM."""
+    limit = max(1, min(triton.cdiv(max_keys, SPLIT_GRAIN), MAX_SPLITS))
     programs = rows * head_blocks
-    if not many_heads:
+    if not fill_waves:
         return max(1, min(triton.cdiv(2 * num_sms, programs), limit))
     for s in range(1, limit + 1):
         n = programs * s
@@ -180,7 +191,7 @@ def mla_decode(q, kv_cache, kv_lens, seq_idx, block_table, kv_lora_rank: int, so
     max_keys = block_table.shape[1] * block_size  # from shapes: reading kv_lens would wait for the GPU
     if num_splits is None:  # head blocks counted at the widest config, 64 (or 16 for few heads)
         num_splits = choose_num_splits(T, triton.cdiv(H, 64 if many else FEW_HEADS), max_keys,
-                                       sm_count(q.device), many)
+                                       sm_count(q.device), fill_waves=many or FEW_HEADS_FILL_WAVES)
     single = num_splits == 1
     o_part = lse_part = None
     if not single:

@@ -50,16 +50,16 @@ def test_head_block_must_be_none_or_16():
 
 
 def test_split_rule():
-    # many heads: the fewest splits whose programs fill >= 85 % of their last wave
-    assert choose_num_splits(32, 2, 4096, 132, many_heads=True) == 2  # 128 programs: one wave, 97 %
-    assert choose_num_splits(3, 2, 8192, 132, many_heads=True) == 19  # 114 programs, 86 %
-    assert choose_num_splits(300, 2, 4096, 132, many_heads=True) == 1
-    assert choose_num_splits(1, 2, 2 * SPLIT_GRAIN, 132, many_heads=True) == 2  # capped: no split shorter than a tile
-    assert choose_num_splits(1, 2, 1 << 20, 132, many_heads=True) == 57  # 114 programs
-    assert choose_num_splits(1, 1, 1 << 20, 132, many_heads=True) == 64  # 113 would be needed: the cap
-    # few heads: about two waves, as flash_decode
-    assert choose_num_splits(32, 1, 4096, 132, many_heads=False) == 9
+    # the fewest splits whose programs fill >= 85 % of their last wave
+    assert choose_num_splits(32, 2, 4096, 132, fill_waves=True) == 2  # 128 programs: one wave, 97 %
+    assert choose_num_splits(3, 2, 8192, 132, fill_waves=True) == 19  # 114 programs, 86 %
+    assert choose_num_splits(300, 2, 4096, 132, fill_waves=True) == 1
+    assert choose_num_splits(1, 2, 2 * SPLIT_GRAIN, 132, fill_waves=True) == 2  # capped: no split shorter than a tile
+    assert choose_num_splits(1, 2, 1 << 20, 132, fill_waves=True) == 57  # 114 programs
+    assert choose_num_splits(1, 1, 1 << 20, 132, fill_waves=True) == 64  # 113 would be needed: the cap
+    # the other rule: about two programs per SM, as flash_decode
+    assert choose_num_splits(32, 1, 4096, 132, fill_waves=False) == 9
     for rows in range(2, 70):
-        s = choose_num_splits(rows, 2, 1 << 20, 132, many_heads=True)
+        s = choose_num_splits(rows, 2, 1 << 20, 132, fill_waves=True)
         n = rows * 2 * s
         assert n / (-(-n // 132) * 132) >= 0.85

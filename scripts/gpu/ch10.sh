@@ -20,8 +20,8 @@ part() {
       timeout 130 python3 -m minillm bench moe --quick --json "$OUT/ch10-bench-moe.json" 2>&1 | grep -v "it/s\]" \
         | tee "$OUT/ch10-bench-moe.log" ;;
     tests)
-      timeout 90 python3 -m pytest tests/test_kernels_moe.py tests/test_kernels_mla.py tests/test_mla.py \
-        -k "not absorbed_equals_naive and not yarn" -q -p no:cacheprovider -rs --durations=8 -x 2>&1 | tail -30 \
+      timeout 90 python3 -m pytest tests/test_kernels_mla.py tests/test_mla.py tests/test_kernels_moe.py \
+        -k "not absorbed_equals_naive and not yarn" -q -p no:cacheprovider -rs --durations=8 2>&1 | tail -60 \
         | tee "$OUT/ch10-tests.log" ;;
     e2e)
       for m in deepseek-v2-lite qwen3-30b-a3b; do
