@@ -120,12 +120,22 @@ def _mla_decode_split(
         tl.store(Lse_part + prow, tl.where(empty, float("-inf"), m_i + tl.log2(l_safe)), mask=head_ok)
 
 
+def _prune(configs, named_args, **kwargs):
+    """fp32 inputs (IEEE dots: exactness checks, not speed) run one small config: fp32 tiles of a
+    [64, 512] query block would not fit in shared memory, and wide ones compile for minutes."""
+    if named_args["Q"].dtype != torch.float32 or INTERPRET:
+        return configs
+    if configs[0].kwargs["BLOCK_H"] == FEW_HEADS:
+        return prune_fp32(configs, named_args)
+    return [triton.Config({"BLOCK_H": 32, "BLOCK_N": 16}, num_warps=8, num_stages=1)]
+
+
 # One kernel, two tuned launchers: the head-block width is part of each config.
 _KEY = ["LAT", "ROPE", "SINGLE_SPLIT", "keys_bucket"]
 _mla_few_heads = triton.autotune(configs=_configs(False), key=_KEY,
-                                 prune_configs_by={"early_config_prune": prune_fp32})(_mla_decode_split)
+                                 prune_configs_by={"early_config_prune": _prune})(_mla_decode_split)
 _mla_many_heads = triton.autotune(configs=_configs(True), key=_KEY,
-                                  prune_configs_by={"early_config_prune": prune_fp32})(_mla_decode_split)
+                                  prune_configs_by={"early_config_prune": _prune})(_mla_decode_split)
 
 
 def choose_num_splits(rows: int, head_blocks: int, max_keys: int, num_sms: int, fill_waves: bool = True) -> int:
