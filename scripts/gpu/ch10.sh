@@ -36,6 +36,9 @@ part() {
   esac
 }
 if [ "${1:-all}" = all ]; then
+  { date -u; echo "commit ${MINILLM_COMMIT:-unknown} (branch kernels)"; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm \
+      --format=csv; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
+    2>&1 | tee "$OUT/ch10-run.txt"
   for p in tune bench tests; do echo "=== $p $(date +%T)"; part $p; done
 else
   part "$1"
