@@ -92,7 +92,7 @@ def get_config(M: int, E: int, N: int, top_k: int, dtype: torch.dtype, device: t
     return default_config(M, E, top_k, dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles_m", "group_size_m"])  # launch-order knobs: no recompile
 def _fused_moe_kernel(
     A, B, C, TopkWeights,  # a [rows, K]; b [E, N or 2N, K]; c [T * top_k, N]; weights [T * top_k] fp32
     sorted_token_ids, expert_ids, num_tokens_post_padded,  # int32 [max_padded], [max_blocks], [1]
