@@ -28,7 +28,8 @@ def test_many_heads_match_the_reference(seed, H):
     rows = [(b, n) for b, n in enumerate(lens)] + [(B - 1, k) for k in range(max(1, lens[-1] - 3), lens[-1])]
     seq_idx = torch.tensor([b for b, _ in rows], dtype=torch.int32, device=DEVICE)
     kv_lens = torch.tensor([k for _, k in rows], dtype=torch.int32, device=DEVICE)
-    for dtype in DTYPES:
+    # on a GPU fp16 is left out: one more dtype is a minute more of compiling and autotuning
+    for dtype in DTYPES if INTERPRETED else [torch.float32, torch.bfloat16]:
         cache, table = paged_latents(g, lens, L + R, block_size, dtype)
         q = torch.randn(len(rows), H, L + R, generator=g).to(DEVICE, dtype)
         want = mla_decode_ref(q, cache, kv_lens, seq_idx, table, L, 0.15)
