@@ -131,6 +131,18 @@ def test_tuned_table_is_read_and_the_fallback_never_uses_k32(tmp_path, monkeypat
     assert default_config(8192, 128, 8, torch.bfloat16)["BLOCK_M"] == 128
 
 
+def test_tuner_candidates_and_cpu_refusal():
+    from minillm.bench import moe as bench_moe
+    from minillm.bench.moe_tune import candidates, old_configs
+
+    for per_expert in (0.05, 3, 20, 100, 500):
+        for cfg in candidates(per_expert) + old_configs(per_expert):
+            assert sorted(cfg) == sorted(CONFIG_KEYS) and cfg["BLOCK_K"] >= 64
+            assert cfg["BLOCK_M"] * cfg["BLOCK_N"] <= 128 * 128 or cfg["num_warps"] == 8  # gate_up: 2 accumulators
+    with pytest.raises(ValueError, match="--tune times kernels: it needs a CUDA device"):
+        bench_moe.run(device="cpu", tune=True)
+
+
 def test_checked_in_tables_are_well_formed():
     import json
     import os
