@@ -21,9 +21,23 @@ most experts idle) nothing but launch overhead. The fused path (vLLM's fused_moe
 4. The sum over each token's top_k rows.
 
 Padding rows (P) read nothing and write nothing; tiles past the padded end return at once.
+
+Tiles. Which tile shape is fastest depends on how many rows each expert gets (M top_k / E): a
+decode step gives each expert a row or two and only streams weights (short BLOCK_M, long BLOCK_K);
+a long prefill gives hundreds and is a real GEMM (128-row tiles, 8 warps). The choice per M comes
+from a table tuned on the GPU (`minillm bench moe --tune`, one JSON per experts, N = intermediate
+size, GPU and dtype, in moe_configs/), else from `default_config`. The programs run in groups of
+GROUP_SIZE_M row tiles that walk the column tiles together, so an expert's weight tile is read from
+HBM once per group rather than once per row tile (the rest hit L2). At one or two tokens the sort is
+skipped: each pair gets a tile of its own (`align_unsorted`), a few elementwise ops instead of a
+sort, a scatter and a search.
 """
 
 from __future__ import annotations
+
+import functools
+import json
+import os
 
 import torch
 import torch.nn.functional as F
@@ -33,37 +47,72 @@ import triton.language as tl
 from .checks import FLOAT_DTYPES, INTERPRET, check_device, check_float_tensor, check_tensor
 from .flash_attn import dot
 
-
-def _configs() -> list[triton.Config]:
-    if INTERPRET:
-        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
-    # (BLOCK_N, BLOCK_K, warps, stages): vLLM-like starting points; the autotuner picks per shape
-    shapes = [(64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)]  # few: each compiles per shape
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st) for n, k, w, st in shapes]
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "moe_configs")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 
 
-def _prune(configs, named_args, **kwargs):
-    """fp32 (IEEE dots, for exactness checks) compiles slowly in wide tiles: keep the smallest."""
-    if named_args["A"].dtype != torch.float32:
-        return configs
-    return [min(configs, key=lambda c: c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
+def default_config(M: int, E: int, top_k: int, dtype: torch.dtype) -> dict:
+    """Tiles when no tuned table exists, from the rows each expert gets on average. BLOCK_K is 64 or
+    more everywhere (32 halves the work per load and was the slow default other engines dropped)."""
+    per_expert = M * top_k / E
+    if INTERPRET or dtype == torch.float32:  # small tiles: the interpreter's speed, fp32's compile time
+        return dict(BLOCK_M=16 if per_expert <= 16 else 32, BLOCK_N=32, BLOCK_K=32, GROUP_SIZE_M=2,
+                    num_warps=4, num_stages=1)
+    if per_expert <= 16:  # weight streaming: few rows, long K loads
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=4)
+    if per_expert <= 64:
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_SIZE_M=4, num_warps=4, num_stages=3)
+    if per_expert <= 256:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_SIZE_M=8, num_warps=8, num_stages=3)
 
 
-@triton.autotune(configs=_configs(), key=["N", "K", "TOP_K", "GATED", "BLOCK_M"],
-                 prune_configs_by={"early_config_prune": _prune})
-@triton.jit
+def config_file_name(E: int, N: int, device_name: str, dtype: torch.dtype) -> str:
+    """vLLM's naming: E experts, N = each expert's intermediate size, the GPU's name, the dtype."""
+    return f"E={E},N={N},device_name={device_name.replace(' ', '_')},dtype={str(dtype).removeprefix('torch.')}.json"
+
+
+@functools.cache
+def load_configs(E: int, N: int, device_name: str, dtype: torch.dtype) -> dict[int, dict] | None:
+    """The tuned table {M: config} for these shapes on this GPU, or None if none was tuned."""
+    path = os.path.join(CONFIG_DIR, config_file_name(E, N, device_name, dtype))
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        table = json.load(f)
+    return {int(m): {k: int(cfg[k]) for k in CONFIG_KEYS} for m, cfg in table.items() if not m.startswith("_")}
+
+
+def get_config(M: int, E: int, N: int, top_k: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """The tuned config of the nearest tuned M (shapes only: one CUDA graph always runs the same tiles)."""
+    if device.type == "cuda" and not INTERPRET:
+        table = load_configs(E, N, torch.cuda.get_device_name(device), dtype)
+        if table:
+            return table[min(table, key=lambda m: abs(m - M))]
+    return default_config(M, E, top_k, dtype)
+
+
+@triton.jit(do_not_specialize=["tiles_m", "group_size_m"])  # launch-order knobs: no recompile
 def _fused_moe_kernel(
     A, B, C, TopkWeights,  # a [rows, K]; b [E, N or 2N, K]; c [T * top_k, N]; weights [T * top_k] fp32
     sorted_token_ids, expert_ids, num_tokens_post_padded,  # int32 [max_padded], [max_blocks], [1]
     N, K, num_valid,  # num_valid = T * top_k: a sorted id >= this is padding
     stride_am, stride_be, stride_bn, stride_cm,
-    TOP_K: tl.constexpr,  # rows of a per token: pair p reads row p // TOP_K (1: a holds one row per pair)
+    rows_per_token,  # pair p reads row p // rows_per_token of a (top_k; 1: a holds one row per pair)
+    tiles_m, group_size_m,  # row tiles in the grid; row tiles that walk the column tiles together
     GATED: tl.constexpr,  # b holds [W1; W3]: write silu(a W1^T) * (a W3^T)
-    MUL_ROUTED_WEIGHT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # chosen by the autotuner
+    MUL_ROUTED_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # Grouped order over a 1-D grid: group_size_m row tiles take column tile 0, then 1, ...; the
+    # programs resident at once share their column tiles (one expert's weights, mostly) through L2.
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    in_group = group_size_m * tiles_n
+    first_m = (pid // in_group) * group_size_m
+    group_m = tl.minimum(tiles_m - first_m, group_size_m)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
     if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded):
         return  # past the padded end: this step routed fewer pairs than the worst case
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -72,7 +121,7 @@ def _fused_moe_kernel(
     expert = tl.load(expert_ids + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns
     n_ok = offs_n < N
-    a_rows = A + (pair // TOP_K).to(tl.int64)[:, None] * stride_am  # [BLOCK_M, 1]
+    a_rows = A + (pair // rows_per_token).to(tl.int64)[:, None] * stride_am  # [BLOCK_M, 1]
     b_cols = B + expert * stride_be + offs_n.to(tl.int64)[None, :] * stride_bn  # [1, BLOCK_N]: W^T's columns
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -141,41 +190,54 @@ def _check(x, w13, w2, topk_weights, topk_ids, strict: bool) -> None:
         check_device("x", x)
 
 
-def _block_m(num_pairs: int, num_experts: int, dtype: torch.dtype) -> int:
-    """Rows per tile, from the pairs an expert gets on average: at decode a few, so short tiles (each
-    expert's run is padded to a whole tile); in a long prefill hundreds, so tall ones. Decided from
-    shapes, so one CUDA graph always runs the same tiles."""
-    per_expert = num_pairs / num_experts
-    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64 if per_expert <= 256 else 128
-    return min(block_m, 32) if INTERPRET or dtype == torch.float32 else block_m
+def align_unsorted(topk_ids: torch.Tensor, block_m: int):
+    """moe_align_block_size without the sort, for a step of one or two tokens: pair p gets tile p of
+    its own (row p * block_m holds it, the rest is padding), so expert_ids is topk_ids itself. Two
+    pairs on one expert then read its weights twice, which the sort would have saved; at T * top_k
+    <= E / 4 that is rare, and three small ops replace a dozen."""
+    n = topk_ids.numel()
+    sorted_ids = torch.full((n, block_m), n, dtype=torch.int32, device=topk_ids.device)  # [n, block_m]
+    sorted_ids[:, 0] = torch.arange(n, dtype=torch.int32, device=topk_ids.device)
+    total = torch.full((1,), n * block_m, dtype=torch.int32, device=topk_ids.device)
+    return sorted_ids.view(-1), topk_ids.reshape(-1).to(torch.int32), total
 
 
-def fused_experts(x, w13, w2, topk_weights, topk_ids):
+def _launch(a, b, c, weights, sorted_ids, expert_ids, num_post, N, K, num_valid, rows_per_token, gated, cfg):
+    tiles_m = sorted_ids.numel() // cfg["BLOCK_M"]
+    grid = (tiles_m * triton.cdiv(N, cfg["BLOCK_N"]),)
+    _fused_moe_kernel[grid](
+        a, b, c, weights, sorted_ids, expert_ids, num_post, N, K, num_valid,
+        a.stride(0), b.stride(0), b.stride(1), c.stride(0), rows_per_token, tiles_m, cfg["GROUP_SIZE_M"],
+        GATED=gated, MUL_ROUTED_WEIGHT=not gated, IEEE=a.dtype == torch.float32,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def fused_experts(x, w13, w2, topk_weights, topk_ids, config: dict | None = None):
     """sum_k topk_weights[t, k] * MLP_{topk_ids[t, k]}(x[t]) for every token: x [T, H] -> [T, H].
 
-    w13 [E, 2I, H]: each expert's gate (rows 0..I) and up (rows I..2I) projections; w2 [E, H, I]."""
+    w13 [E, 2I, H]: each expert's gate (rows 0..I) and up (rows I..2I) projections; w2 [E, H, I].
+    config: the tiles (CONFIG_KEYS); None looks them up (`get_config`)."""
     _check(x, w13, w2, topk_weights, topk_ids, strict=True)
     T, H = x.shape
     E, I = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
     if T == 0:
         return torch.empty_like(x)
-    block_m = _block_m(T * top_k, E, x.dtype)
-    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, block_m, E)
+    cfg = config or get_config(T, E, I, top_k, x.dtype, x.device)
+    if sorted(cfg) != sorted(CONFIG_KEYS):
+        raise ValueError(f"config must have exactly the keys {CONFIG_KEYS}, got {sorted(cfg)}")
+    n = T * top_k
+    if n * 4 <= E:  # one or two tokens: no sort
+        sorted_ids, expert_ids, num_post = align_unsorted(topk_ids, cfg["BLOCK_M"])
+    else:
+        sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg["BLOCK_M"], E)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()  # [T * top_k], pair order
-    inter = torch.empty((T * top_k, I), dtype=x.dtype, device=x.device)
-    down = torch.empty((T * top_k, H), dtype=x.dtype, device=x.device)
-    ieee = x.dtype == torch.float32
-    tiles = sorted_ids.numel() // block_m
-    _fused_moe_kernel[lambda meta: (tiles, triton.cdiv(I, meta["BLOCK_N"]))](
-        x, w13, inter, weights, sorted_ids, expert_ids, num_post, I, H, T * top_k,
-        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        TOP_K=top_k, GATED=True, MUL_ROUTED_WEIGHT=False, IEEE=ieee, BLOCK_M=block_m)
-    _fused_moe_kernel[lambda meta: (tiles, triton.cdiv(H, meta["BLOCK_N"]))](
-        inter, w2, down, weights, sorted_ids, expert_ids, num_post, H, I, T * top_k,
-        inter.stride(0), w2.stride(0), w2.stride(1), down.stride(0),
-        TOP_K=1, GATED=False, MUL_ROUTED_WEIGHT=True, IEEE=ieee, BLOCK_M=block_m)
+    inter = torch.empty((n, I), dtype=x.dtype, device=x.device)  # silu(gate) * up, per pair
+    down = torch.empty((n, H), dtype=x.dtype, device=x.device)
+    _launch(x, w13, inter, weights, sorted_ids, expert_ids, num_post, I, H, n, top_k, True, cfg)
+    _launch(inter, w2, down, weights, sorted_ids, expert_ids, num_post, H, I, n, 1, False, cfg)
     return down.view(T, top_k, H).sum(dim=1)  # [T, H]
 
 

@@ -15,6 +15,14 @@ found through the block table as in flash_decode.py (key j of sequence b: row j 
 block block_table[b, j // block_size]), and the keys are split across programs (split-KV, merged by
 flash_decode's combine kernel) when batch x head blocks alone cannot fill the GPU.
 
+How many heads a program takes decides what limits it. Per key the kernel reads L + R = 576
+numbers (1,152 bytes in bf16) and does 2 H (L + R + L) FLOP: 30 FLOP per byte at V2-Lite's 16
+heads, far below an H100's ridge (about 265), so that case is a copy and a head block of 16 (the
+smallest tl.dot) suffices. At V3's 128 heads it is 242 FLOP per byte, at the ridge: with 16 heads
+per program the latent cache would be read 8 times and every MMA would be 16 rows tall. So above 16
+heads a program takes 32 or 64 (tuned): one latent tile feeds an MMA of M = 64, and the head blocks
+of one (row, split) are launched side by side so the second one's reads hit L2.
+
 One query row per program, with its own number of visible keys: a decode token sees its whole
 sequence, a prompt token of a prefill chunk only the keys up to itself. So the same kernel serves
 decode and (absorbed) prefill, and it runs inside CUDA graphs: nothing is read back to the host.
@@ -31,20 +39,25 @@ from .checks import FLOAT_DTYPES, INTERPRET, check_device, check_float_tensor, c
 from .flash_attn import LOG2E, dot, prune_fp32
 from .flash_decode import MAX_SPLITS, SPLIT_GRAIN, _flash_decode_combine, sm_count
 
-BLOCK_H = 16  # query heads per program: the fewest rows tl.dot takes
+FEW_HEADS = 16  # at most this many heads: one head block of 16, the fewest rows tl.dot takes
+FEW_HEADS_FILL_WAVES = True  # the split rule at few heads (choose_num_splits; bench moe times both)
 
 
-def _configs() -> list[triton.Config]:
+def _configs(many_heads: bool) -> list[triton.Config]:
+    """(BLOCK_H, BLOCK_N, warps, stages). Few heads (V2-Lite's 16): memory-bound, so the tuner picks
+    how many keys a tile holds and how many loads stay in flight. Many heads (V3's 128): each latent
+    tile feeds BLOCK_H = 32 or 64 query rows, an MMA of M = 64 (a Hopper warpgroup's wgmma height), so
+    a KV byte is read once per 64 heads instead of once per 16; the fp32 output [BLOCK_H, 512] is
+    spread over 8 warps (64 x 512 x 4 B / 256 threads = 128 registers each), never over 4."""
     if INTERPRET:
-        return [triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    # Memory-bound: a latent tile is 512 wide, so a few keys per tile already make a large load; the
-    # autotuner picks how many and how many loads stay in flight (untuned guesses until measured).
-    shapes = [(16, 4, 2), (32, 4, 2), (32, 8, 2), (64, 8, 2)]
-    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in shapes]
+        return [triton.Config({"BLOCK_H": 32 if many_heads else 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    if many_heads:
+        shapes = [(64, 32, 8, 2), (64, 64, 8, 2), (64, 16, 8, 3), (32, 32, 4, 2), (32, 64, 8, 2)]
+    else:
+        shapes = [(16, 16, 4, 2), (16, 32, 4, 2), (16, 32, 8, 2), (16, 64, 8, 2), (16, 32, 4, 3), (16, 64, 4, 2)]
+    return [triton.Config({"BLOCK_H": h, "BLOCK_N": n}, num_warps=w, num_stages=st) for h, n, w, st in shapes]
 
 
-@triton.autotune(configs=_configs(), key=["LAT", "ROPE", "SINGLE_SPLIT", "keys_bucket"],
-                 prune_configs_by={"early_config_prune": prune_fp32})
 @triton.jit(do_not_specialize=["num_splits"])
 def _mla_decode_split(
     Q, KV, Out, O_part, Lse_part,  # q [T, H, L + R]; cache [blocks, block_size, 1, L + R]; out [T, H, L]
@@ -53,10 +66,12 @@ def _mla_decode_split(
     num_heads, rope_dim, block_size, num_splits, qk_scale,
     keys_bucket,  # not used by the kernel: part of the autotuning key only
     LAT: tl.constexpr, ROPE: tl.constexpr,  # kv_lora_rank; rope_dim padded to a power of two >= 16
-    BLOCK_H: tl.constexpr, SINGLE_SPLIT: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, IEEE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    split = tl.program_id(0)
-    head_block = tl.program_id(1)
+    # Head blocks vary fastest: the programs that run side by side are the head blocks of one
+    # (row, split), which read the same latent tiles, so every read after the first hits L2.
+    head_block = tl.program_id(0)
+    split = tl.program_id(1)
     t = tl.program_id(2)
     seqlen = tl.load(kv_lens + t)
     per_split = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
@@ -83,6 +98,7 @@ def _mla_decode_split(
         row = KV + block * stride_kv_blk + (offs_n % block_size).to(tl.int64) * stride_kv_tok  # [BLOCK_N]
         lat = tl.load(row[:, None] + offs_l[None, :], mask=in_range[:, None], other=0.0)  # [BLOCK_N, LAT]
         pe = tl.load(row[:, None] + LAT + offs_r[None, :], mask=in_range[:, None] & r_ok[None, :], other=0.0)
+        # two MMAs of M = BLOCK_H rows: the latent part (K = LAT) and the rope part (K = ROPE)
         qk = dot(q_lat, tl.trans(lat), None, IEEE)  # [BLOCK_H, BLOCK_N]: the latent as K ...
         qk = dot(q_pe, tl.trans(pe), qk, IEEE)
         qk = tl.where(in_range[None, :], qk * qk_scale, float("-inf"))
@@ -102,6 +118,42 @@ def _mla_decode_split(
         prow = (t * num_heads + heads).to(tl.int64) * num_splits + split  # [BLOCK_H] into [T, H, S]
         tl.store(O_part + prow[:, None] * LAT + offs_l[None, :], acc / l_safe[:, None], mask=head_ok[:, None])
         tl.store(Lse_part + prow, tl.where(empty, float("-inf"), m_i + tl.log2(l_safe)), mask=head_ok)
+
+
+def _prune(configs, named_args, **kwargs):
+    """fp32 inputs (IEEE dots: exactness checks, not speed) run one small config: fp32 tiles of a
+    [64, 512] query block would not fit in shared memory, and wide ones compile for minutes."""
+    if named_args["Q"].dtype != torch.float32 or INTERPRET:
+        return configs
+    if configs[0].kwargs["BLOCK_H"] == FEW_HEADS:
+        return prune_fp32(configs, named_args)
+    return [triton.Config({"BLOCK_H": 32, "BLOCK_N": 16}, num_warps=8, num_stages=1)]
+
+
+# One kernel, two tuned launchers: the head-block width is part of each config.
+_KEY = ["LAT", "ROPE", "SINGLE_SPLIT", "keys_bucket"]
+_mla_few_heads = triton.autotune(configs=_configs(False), key=_KEY,
+                                 prune_configs_by={"early_config_prune": _prune})(_mla_decode_split)
+_mla_many_heads = triton.autotune(configs=_configs(True), key=_KEY,
+                                  prune_configs_by={"early_config_prune": _prune})(_mla_decode_split)
+
+
+def choose_num_splits(rows: int, head_blocks: int, max_keys: int, num_sms: int, fill_waves: bool = True) -> int:
+    """How many slices to cut each row's keys into (no slice shorter than a key tile, at most MAX_SPLITS).
+
+    fill_waves: the fewest splits whose programs leave their last wave over the SMs at least 85 %
+    full. Every split costs a [H, 512] fp32 partial written and read again by the combine, and a
+    wave that is mostly empty costs a whole program's time: 288 programs on 132 SMs run as 3 waves
+    with the third 18 % full. Else flash_decode's rule: about two programs per SM."""
+    limit = max(1, min(triton.cdiv(max_keys, SPLIT_GRAIN), MAX_SPLITS))
+    programs = rows * head_blocks
+    if not fill_waves:
+        return max(1, min(triton.cdiv(2 * num_sms, programs), limit))
+    for s in range(1, limit + 1):
+        n = programs * s
+        if n / (triton.cdiv(n, num_sms) * num_sms) >= 0.85:
+            return s
+    return limit
 
 
 def _check(q, kv_cache, kv_lens, seq_idx, block_table, kv_lora_rank, strict: bool) -> None:
@@ -128,35 +180,39 @@ def _check(q, kv_cache, kv_lens, seq_idx, block_table, kv_lora_rank, strict: boo
 
 
 def mla_decode(q, kv_cache, kv_lens, seq_idx, block_table, kv_lora_rank: int, softmax_scale: float,
-               num_splits: int | None = None):
+               num_splits: int | None = None, head_block: int | None = None):
     """Absorbed MLA attention from the paged latent cache: q [T, H, L + R] -> [T, H, L] in q's dtype.
 
     Row t attends to the first kv_lens[t] keys of sequence seq_idx[t] (int32, each >= 1), found
-    through block_table [B, max_blocks] int32. num_splits: None chooses (as flash_decode does)."""
+    through block_table [B, max_blocks] int32. num_splits: None chooses. head_block: None chooses
+    (16 heads per program up to 16 heads, 32 or 64 above, tuned); 16 forces the few-heads kernel
+    at any head count (the benchmark's old-kernel peer)."""
     _check(q, kv_cache, kv_lens, seq_idx, block_table, kv_lora_rank, strict=True)
+    if head_block not in (None, FEW_HEADS):
+        raise ValueError(f"head_block must be None (choose) or {FEW_HEADS}, got {head_block!r}")
     T, H, width = q.shape
     L = kv_lora_rank
     out = torch.empty((T, H, L), dtype=q.dtype, device=q.device)
     if T == 0:
         return out
+    many = H > FEW_HEADS and head_block is None
+    kernel = _mla_many_heads if many else _mla_few_heads
     block_size = kv_cache.shape[1]
-    head_blocks = triton.cdiv(H, BLOCK_H)
     max_keys = block_table.shape[1] * block_size  # from shapes: reading kv_lens would wait for the GPU
-    if num_splits is None:  # about two waves of programs, no split shorter than a key tile
-        wanted = triton.cdiv(2 * sm_count(q.device), T * head_blocks)
-        num_splits = max(1, min(wanted, triton.cdiv(max_keys, SPLIT_GRAIN), MAX_SPLITS))
+    if num_splits is None:  # head blocks counted at the widest config, 64 (or 16 for few heads)
+        num_splits = choose_num_splits(T, triton.cdiv(H, 64 if many else FEW_HEADS), max_keys,
+                                       sm_count(q.device), fill_waves=many or FEW_HEADS_FILL_WAVES)
     single = num_splits == 1
     o_part = lse_part = None
     if not single:
         o_part = torch.empty((T, H, num_splits, L), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((T, H, num_splits), dtype=torch.float32, device=q.device)
-    _mla_decode_split[(num_splits, head_blocks, T)](
+    kernel[lambda meta: (triton.cdiv(H, meta["BLOCK_H"]), num_splits, T)](
         q, kv_cache, out, o_part, lse_part, kv_lens, seq_idx, block_table,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0), H, width - L, block_size, num_splits, float(softmax_scale) * LOG2E,
         min(max(16, triton.next_power_of_2(triton.cdiv(max_keys, num_splits))), 8192),
-        LAT=L, ROPE=max(16, triton.next_power_of_2(width - L)), BLOCK_H=BLOCK_H,
-        SINGLE_SPLIT=single, IEEE=q.dtype == torch.float32)
+        LAT=L, ROPE=max(16, triton.next_power_of_2(width - L)), SINGLE_SPLIT=single, IEEE=q.dtype == torch.float32)
     if not single:
         _flash_decode_combine[(T, H)](o_part, lse_part, out, out.stride(0), out.stride(1), H, num_splits,
                                       HEAD_DIM=L, SPLITS=triton.next_power_of_2(num_splits))

@@ -13,7 +13,17 @@ import os
 import pytest
 import torch
 
-from minillm.kernels.fused_moe import fused_experts, fused_experts_ref, moe_align_block_size
+from minillm.kernels import fused_moe
+from minillm.kernels.fused_moe import (
+    CONFIG_KEYS,
+    align_unsorted,
+    config_file_name,
+    default_config,
+    fused_experts,
+    fused_experts_ref,
+    load_configs,
+    moe_align_block_size,
+)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -40,7 +50,7 @@ def experts(g, E: int, H: int, I: int, dtype):
     return w13, w2
 
 
-SHAPES = [(1, 8, 2), (7, 64, 6), (33, 8, 8), (222, 64, 6)] + ([] if INTERPRETED else [(4096, 64, 6), (4096, 8, 2)])
+SHAPES = [(1, 8, 2), (2, 64, 6), (7, 64, 6), (33, 8, 8), (222, 64, 6)]  # (1, 8, 2), (2, 64, 6): no sort + ([] if INTERPRETED else [(4096, 64, 6), (4096, 8, 2)])
 
 
 @pytest.mark.parametrize("M,E,top_k", SHAPES)
@@ -74,6 +84,79 @@ def test_align_sorts_pairs_by_expert_and_pads_each_run(seed):
         assert (flat[rows[rows < n].long()] == expert_ids[tile]).all()
 
 
+@pytest.mark.parametrize("block_m,group", [(16, 1), (32, 3), (16, 1 << 20)])
+def test_any_tiles_and_launch_order_give_the_loop_s_result(seed, block_m, group):
+    """Explicit configs (as a tuned table would give): other row tiles, launch groups that do not
+    divide the row tiles, and one group over all of them (the old order) change nothing."""
+    g = torch.Generator().manual_seed(seed)
+    M, E, top_k, H, I = 29, 8, 3, 48, 40
+    x = torch.randn(M, H, generator=g).to(DEVICE)
+    w13, w2 = experts(g, E, H, I, torch.float32)
+    weights, ids = routing(g, M, E, top_k)
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=16, BLOCK_K=16, GROUP_SIZE_M=group, num_warps=4, num_stages=1)
+    got = fused_experts(x, w13, w2, weights, ids, config=cfg)
+    assert rel(got, fused_experts_ref(x, w13, w2, weights, ids)) < TOL[torch.float32]
+    with pytest.raises(ValueError, match="config must have exactly the keys"):
+        fused_experts(x, w13, w2, weights, ids, config={"BLOCK_M": 16})
+
+
+def test_align_unsorted_gives_each_pair_its_own_tile(seed):
+    g = torch.Generator().manual_seed(seed)
+    _, ids = routing(g, 2, 64, 6)
+    sorted_ids, expert_ids, total = align_unsorted(ids, 16)
+    assert int(total) == 12 * 16 and sorted_ids.numel() == 12 * 16
+    assert sorted_ids.view(12, 16)[:, 0].tolist() == list(range(12)) and (sorted_ids.view(12, 16)[:, 1:] == 12).all()
+    assert expert_ids.tolist() == ids.reshape(-1).tolist()
+
+
+def test_tuned_table_is_read_and_the_fallback_never_uses_k32(tmp_path, monkeypatch):
+    table = {"_header": "x", "1": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_SIZE_M=1, num_warps=4,
+                                       num_stages=4, us=3.0),
+             "4096": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_SIZE_M=8, num_warps=8, num_stages=3)}
+    name = config_file_name(128, 768, "NVIDIA H100 80GB HBM3", torch.bfloat16)
+    assert name == "E=128,N=768,device_name=NVIDIA_H100_80GB_HBM3,dtype=bfloat16.json"
+    (tmp_path / name).write_text(__import__("json").dumps(table))
+    monkeypatch.setattr(fused_moe, "CONFIG_DIR", str(tmp_path))
+    load_configs.cache_clear()
+    try:
+        got = load_configs(128, 768, "NVIDIA H100 80GB HBM3", torch.bfloat16)
+        assert got == {1: {k: table["1"][k] for k in CONFIG_KEYS}, 4096: table["4096"]}
+        assert load_configs(64, 768, "NVIDIA H100 80GB HBM3", torch.bfloat16) is None
+    finally:
+        load_configs.cache_clear()
+    monkeypatch.setattr(fused_moe, "INTERPRET", False)
+    for M in (1, 16, 256, 1024, 4096, 16384):
+        cfg = default_config(M, 128, 8, torch.bfloat16)
+        assert sorted(cfg) == sorted(CONFIG_KEYS) and cfg["BLOCK_K"] >= 64
+    assert default_config(8192, 128, 8, torch.bfloat16)["BLOCK_M"] == 128
+
+
+def test_tuner_candidates_and_cpu_refusal():
+    from minillm.bench import moe as bench_moe
+    from minillm.bench.moe_tune import candidates, old_configs
+
+    for per_expert in (0.05, 3, 20, 100, 500):
+        for cfg in candidates(per_expert) + old_configs(per_expert):
+            assert sorted(cfg) == sorted(CONFIG_KEYS) and cfg["BLOCK_K"] >= 64
+            assert cfg["BLOCK_M"] * cfg["BLOCK_N"] <= 128 * 128 or cfg["num_warps"] == 8  # gate_up: 2 accumulators
+    with pytest.raises(ValueError, match="--tune times kernels: it needs a CUDA device"):
+        bench_moe.run(device="cpu", tune=True)
+
+
+def test_checked_in_tables_are_well_formed():
+    import json
+    import os
+
+    folder = fused_moe.CONFIG_DIR
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        with open(os.path.join(fused_moe.CONFIG_DIR, name)) as f:
+            table = json.load(f)
+        for m, cfg in table.items():
+            if not m.startswith("_"):
+                assert int(m) >= 1 and all(isinstance(cfg[k], int) for k in CONFIG_KEYS), (name, m)
+                assert cfg["BLOCK_K"] >= 64, (name, m)  # the tuner's candidates never take K = 32
+
+
 def test_fused_moe_bad_arguments_are_clear_errors():
     x = torch.randn(3, 32, device=DEVICE)
     w13, w2 = torch.randn(4, 16, 32, device=DEVICE), torch.randn(4, 32, 8, device=DEVICE)
@@ -101,7 +184,7 @@ def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(seed):
     w13, w2 = experts(g, E, H, I, torch.bfloat16)
     x = torch.randn(M, H, generator=g).to(DEVICE, torch.bfloat16)
     weights, ids = routing(g, M, E, top_k)
-    fused_experts(x, w13, w2, weights, ids)  # compile and autotune outside the capture
+    fused_experts(x, w13, w2, weights, ids)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_experts(x, w13, w2, weights, ids)

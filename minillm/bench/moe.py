@@ -10,8 +10,14 @@ Three tables, each row a dict (notebook 10 plots them):
   skew    one shape and M, with a fraction of the tokens all routed to the same top-k experts: the
           kernel's tiles follow the counts, so skew changes the padding and the balance, not the work.
   mla     absorbed MLA decode over the paged latent cache (kernels/mla_decode.py), GB/s of latent
-          read against the measured copy bandwidth, beside the naive path (up-project every cached
-          latent to per-head K and V, then attention) for the V2-Lite heads.
+          read against the measured copy bandwidth (the metric at 16 heads: 30 FLOP per byte) and
+          TFLOP/s (the metric at 128 heads: 242 FLOP per byte, at an H100's ridge), beside the naive
+          path (up-project every cached latent to per-head K and V, then attention) for the V2-Lite
+          heads, and beside the 16-heads-per-program kernel (`head_block=16`, the kernel before head
+          blocks of 32-64) for V3's 128 heads.
+
+`--tune` instead chooses the fused-MoE tiles per M on this GPU and writes the table the kernel
+reads (bench/moe_tune.py).
 
 On a GPU in bf16, timed as CUDA-graph replays (the loop cannot be captured: it syncs on expert
 counts, so it is timed eagerly, as a model running it would be). On a CPU only the interpreter runs
@@ -24,11 +30,14 @@ import os
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from ..hw import ceilings, default_device, device_name, time_it
+from ..kernels.flash_decode import sm_count
 from ..kernels.fused_moe import fused_experts, fused_experts_ref
-from ..kernels.mla_decode import mla_decode
+from ..kernels.mla_decode import FEW_HEADS_FILL_WAVES, choose_num_splits, mla_decode
 from ..notebook import header_line
+from .moe_tune import tune as tune_moe
 from .table import print_table
 
 # name: (experts, top_k, hidden, expert intermediate)
@@ -42,8 +51,8 @@ def _grids(gpu: bool, quick: bool) -> dict:
         return dict(moe_shapes={"tiny": (8, 2, 64, 32)}, ms=[1, 16], skew_m=16, skews=[0.0, 1.0],
                     mla_heads={"tiny": 16}, mla_batch=[2], mla_ctx=[64], lat=(32, 16))
     if quick:
-        return dict(moe_shapes=MOE_SHAPES, ms=[1, 16, 1024, 4096], skew_m=4096, skews=[0.0, 0.9],
-                    mla_heads=MLA_HEADS, mla_batch=[32], mla_ctx=[4096], lat=(L, R))
+        return dict(moe_shapes=MOE_SHAPES, ms=[1, 16, 256, 1024, 4096, 8192], skew_m=4096, skews=[0.0, 0.9],
+                    mla_heads=MLA_HEADS, mla_batch=[32, 128], mla_ctx=[4096], lat=(L, R))
     return dict(moe_shapes=MOE_SHAPES, ms=[1, 4, 16, 64, 256, 1024, 4096, 8192], skew_m=4096,
                 skews=[0.0, 0.5, 0.9, 1.0], mla_heads=MLA_HEADS, mla_batch=[32, 64, 128], mla_ctx=[4096, 8192],
                 lat=(L, R))
@@ -106,8 +115,23 @@ def _mla_row(model, H, B, ctx, lat, device, dtype, ceil) -> dict:
     ours = time_it(lambda: mla_decode(q, cache, lens, seq_idx, table, Lr, 0.1), device=device, **_reps(device))
     elt = torch.empty((), dtype=dtype).element_size()
     nbytes = (B * ctx * (Lr + Rr) + B * H * (2 * Lr + Rr)) * elt  # latents, q read, out written
+    flops = 2.0 * B * H * ctx * ((Lr + Rr) + Lr)  # q.k over L + R, then p.v over L
     row = {"model": model, "heads": H, "batch": B, "context": ctx, "mla_us": ours * 1e6,
-           "mla_gbps": nbytes / ours / 1e9, "pct_of_copy": 100 * nbytes / ours / 1e9 / ceil.copy_gbps}
+           "mla_gbps": nbytes / ours / 1e9, "pct_of_copy": 100 * nbytes / ours / 1e9 / ceil.copy_gbps,
+           "mla_tflops": flops / ours / 1e12, "pct_of_matmul": 100 * flops / ours / 1e12 / ceil.matmul_tflops}
+    # the other split rule (mla_decode.choose_num_splits), timed in the same process: an ablation
+    sms, hb = sm_count(device), triton.cdiv(H, 64 if H > 16 else 16)
+    auto = choose_num_splits(B, hb, table.shape[1] * 64, sms, fill_waves=H > 16 or FEW_HEADS_FILL_WAVES)
+    alt = choose_num_splits(B, hb, table.shape[1] * 64, sms, fill_waves=not (H > 16 or FEW_HEADS_FILL_WAVES))
+    row |= {"splits": auto, "alt_splits": alt}
+    if alt != auto:
+        t_alt = time_it(lambda: mla_decode(q, cache, lens, seq_idx, table, Lr, 0.1, num_splits=alt), device=device,
+                        **_reps(device))
+        row |= {"alt_us": t_alt * 1e6, "speedup_vs_alt": t_alt / ours}
+    if H > 16:  # the same kernel with 16 heads per program (what ran before head blocks of 32-64)
+        old = time_it(lambda: mla_decode(q, cache, lens, seq_idx, table, Lr, 0.1, head_block=16), device=device,
+                      **_reps(device))
+        row |= {"bh16_us": old * 1e6, "bh16_tflops": flops / old / 1e12, "speedup_vs_bh16": old / ours}
     if H <= 16:  # naive: every cached latent up-projected to K/V of every head, then attention
         w_kv = torch.randn(H * (P + V), Lr, device=device, dtype=dtype) * Lr**-0.5
         q_naive = torch.randn(B, H, 1, P + Rr, device=device, dtype=dtype)
@@ -124,9 +148,15 @@ def _mla_row(model, H, B, ctx, lat, device, dtype, ceil) -> dict:
     return row
 
 
-def run(device=None, quick: bool = False, json: str | None = None) -> dict:
+def run(device=None, quick: bool = False, json: str | None = None, tune: bool = False, tune_budget: float = 240.0,
+        tune_copy_to: str | None = None) -> dict:
     device = default_device() if device is None else torch.device(device)
     gpu = device.type == "cuda"
+    if tune:
+        if not gpu:
+            raise ValueError("--tune times kernels: it needs a CUDA device")
+        print(header_line())
+        return {"tune": tune_moe(MOE_SHAPES, budget_s=tune_budget, copy_to=tune_copy_to)}
     if not gpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("on a CPU the Triton kernels run only in Triton's interpreter: "
                          "run TRITON_INTERPRET=1 minillm bench moe")
@@ -146,7 +176,8 @@ def run(device=None, quick: bool = False, json: str | None = None) -> dict:
            for B in grid["mla_batch"] for ctx in grid["mla_ctx"]]
     print_table(moe, title=f"fused MoE vs per-expert loop vs dense GEMMs of the same FLOPs, {where}")
     print_table(skew, title=f"routing skew (fraction of tokens on the same top-k experts), {where}")
-    print_table(mla, title=f"paged MLA decode (absorbed) GB/s vs copy, and vs the naive path, {where}")
+    print_table(mla, title=f"paged MLA decode (absorbed): GB/s vs copy, TFLOP/s vs matmul, vs the naive path and "
+                           f"vs 16 heads per program, {where}")
     result = {"header": line, "device": where, "dtype": str(dtype).removeprefix("torch."), "interpreted": not gpu,
               "ceilings": ceil.as_dict(), "moe": moe, "skew": skew, "mla": mla}
     if json:
@@ -161,3 +192,7 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--device", default=None, help="cuda, cpu (interpreter) ...; default: cuda if there is one")
     p.add_argument("--quick", action="store_true", help="fewer shapes")
     p.add_argument("--json", default=None, help="write the tables to this file")
+    p.add_argument("--tune", action="store_true",
+                   help="tune the fused-MoE tiles per M on this GPU and write kernels/moe_configs/*.json")
+    p.add_argument("--tune-budget", type=float, default=240.0, help="seconds of tuning before it stops (default 240)")
+    p.add_argument("--tune-copy-to", default=None, help="also write the tuned tables into this folder")
