@@ -90,7 +90,8 @@ class SequenceGroup:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        seqs = self.seqs
+        return seqs[0].finished if len(seqs) == 1 else all(s.finished for s in seqs)
 
     def to_output(self, speculative: bool = False) -> RequestOutput:
         spec = SpecDecodeMetrics()
@@ -357,11 +358,15 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         touched = {}
         for seq in seqs:
             group = self._group_of[seq.seq_id]
-            group.metrics.token_times[seq.index].append(now)
-            group.metrics.first_token_time = group.metrics.first_token_time or now
+            metrics = group.metrics
+            metrics.token_times[seq.index].append(now)
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
             if seq.finished:
                 self.scheduler.finish(seq)
-            touched[group.request_id] = group
+                touched[group.request_id] = group
+            elif unfinished_outputs:  # a caller that does not stream wants only the finished ones
+                touched[group.request_id] = group
         outputs = []
         for group in touched.values():
             if group.finished:
