@@ -161,6 +161,9 @@ def _labs_stale(args) -> int:
     print(course_status.markdown(rows) if args.markdown else "\n".join(
         f"{s.chapter.number}  {s.chapter.notebook or '-':32} {s.words}" for s in rows))
     listed = [s for s in rows if s.state in ("stale", "unknown")]
+    counts = {state: sum(s.state == state for s in rows) for state in ("current", "stale", "unknown")}
+    print(", ".join(f"{n} {state}" for state, n in counts.items()) + (
+        f": re-run {', '.join(s.chapter.notebook for s in listed)}" if listed else ""))
     return 1 if args.check and listed else 0
 
 

@@ -105,3 +105,14 @@ def test_readme_and_home_page_carry_the_block():
     for f in (ROOT / "README.md", ROOT / "chapters" / "index.md"):
         text = f.read_text()
         assert course_status.BEGIN in text and course_status.END in text, f
+
+
+def test_labs_stale_command(repo, capsys):
+    from minillm.cli import main
+
+    c = course.chapter("09")
+    _notebook(repo / "notebooks" / f"{c.notebook}.ipynb", "minillm 0.1.0 · chapter 09 | CPU x | 2026-11-25")
+    assert main(["labs", "stale", "--repo", str(repo)]) == 0
+    out = capsys.readouterr().out
+    assert "09  09_speculative_decoding" in out and "unknown" in out and "re-run" in out
+    assert main(["labs", "stale", "--repo", str(repo), "--check"]) == 1  # CI can demand current outputs
