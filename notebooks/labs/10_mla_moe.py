@@ -95,11 +95,11 @@ ch10.check_route_v3(route_v3)
 # ## Exercise 3 — `moe_align`: one kernel for every expert
 #
 # The fused MoE kernel multiplies tiles of `block_m` rows, and every tile must belong to one expert.
-# Number the (token, expert) pairs $i = t \cdot \text{top\_k} + j$ (row-major in `topk_ids [T, top_k]`).
+# Number the (token, expert) pairs $i = t K + j$, with $K$ = `top_k` (row-major in `topk_ids [T, top_k]`).
 # Return
 #
 # - `sorted_ids`: the pair ids grouped by expert (expert 0 first; inside an expert, in pair order), each
-#   expert's run padded with the pad id $T \cdot \text{top\_k}$ to a multiple of `block_m`; an expert
+#   expert's run padded with the pad id $T K$ to a multiple of `block_m`; an expert
 #   with no pair takes no rows;
 # - `expert_ids`: for each tile of `block_m` rows of `sorted_ids`, its expert.
 #
