@@ -8,6 +8,9 @@ with the files of the checkout:
     stale     the hash differs; "since" is the first commit after the run that changed a module file
     unknown   the stored line has no hash (a run from before hashes were recorded)
 
+A run made from a copy without git records "commit unknown"; its commit is then found by the hash,
+among the commits that changed the chapter's module files.
+
 The course map in README.md and on the site carries the same table, between the markers below,
 written by `minillm labs stale --write README.md chapters/index.md` (`make outputs-status`) and by the
 site's build hook.
@@ -15,6 +18,7 @@ site's build hook.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import subprocess
@@ -79,6 +83,33 @@ def _git(repo: Path, *args: str) -> str | None:
     return out.stdout if out.returncode == 0 else None
 
 
+def hashes_by_commit(repo: Path, c: Chapter, limit: int = 300) -> list[tuple[str, str]]:
+    """[(commit, modules hash)] for the last `limit` commits that changed c's module files, newest first:
+    the hash each of them gives (the same hash as `course.modules_hash` on that commit's checkout)."""
+    log = _git(repo, "log", f"-n{limit}", "--format=%h", "--", *c.modules)
+    if not log:
+        return []
+    commits, out = log.split(), []
+    for commit in commits:
+        listing = _git(repo, "ls-tree", "-r", "--name-only", commit, "--", *c.modules) or ""
+        names = sorted(n for n in listing.split("\n")
+                       if n and (n in c.modules or (n.endswith(".py") and any(
+                           n.startswith(m) for m in c.modules if m.endswith("/")))))
+        if not names:
+            continue
+        blobs = subprocess.run(["git", "cat-file", "--batch"], cwd=repo, capture_output=True, timeout=120,
+                               input="".join(f"{commit}:{n}\n" for n in names).encode()).stdout
+        h, pos = hashlib.sha256(), 0
+        for n in names:  # each answer: "<sha> blob <size>\n<content>\n"
+            end = blobs.index(b"\n", pos)
+            size = int(blobs[pos:end].split()[2])
+            content = blobs[end + 1:end + 1 + size]
+            pos = end + 1 + size + 1
+            h.update(n.encode() + b"\0" + hashlib.sha256(content).digest())
+        out.append((commit, h.hexdigest()[:12]))
+    return out
+
+
 def stale_since(repo: Path, c: Chapter, commit: str) -> str:
     """The first commit after `commit` that changed one of c's module files ("" if git cannot tell)."""
     if not commit or commit == "unknown":
@@ -103,8 +134,16 @@ def chapter_status(repo: Path, c: Chapter) -> Status:
         return s
     if stored.group(1) == modules_hash(c, repo_roots(repo)):
         s.state = "current"
-    else:
-        s.state, s.since = "stale", stale_since(repo, c, s.commit)
+        return s
+    s.state = "stale"
+    if not s.commit or s.commit == "unknown":  # a run from a copy without git: find its commit by the hash
+        history = hashes_by_commit(repo, c)
+        found = next((i for i, (_, h) in enumerate(history) if h == stored.group(1)), None)
+        if found is not None:
+            s.commit = history[found][0]
+            s.since = history[found - 1][0] if found > 0 else ""
+            return s
+    s.since = stale_since(repo, c, s.commit)
     return s
 
 

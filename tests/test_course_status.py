@@ -116,3 +116,19 @@ def test_labs_stale_command(repo, capsys):
     out = capsys.readouterr().out
     assert "09  09_speculative_decoding" in out and "unknown" in out and "re-run" in out
     assert main(["labs", "stale", "--repo", str(repo), "--check"]) == 1  # CI can demand current outputs
+
+
+def test_a_run_without_git_is_placed_by_its_hash(repo):
+    """A GPU machine's copy has no git: the header says "commit unknown", and the run's commit is found by
+    the modules hash among the commits that changed the module files."""
+    c = course.chapter("09")
+    first = _git(repo, "rev-parse", "--short", "HEAD")
+    h = course.modules_hash(c, course.repo_roots(repo))
+    assert course_status.hashes_by_commit(repo, c) == [(first, h)]
+    _notebook(repo / "notebooks" / f"{c.notebook}.ipynb", f"minillm · chapter 09 | CPU x | commit unknown · modules {h}")
+    rs = repo / "minillm" / "spec_decode" / "ngram.py"
+    rs.write_text(rs.read_text() + "\n# changed\n")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "change the proposer")
+    changed = _git(repo, "rev-parse", "--short", "HEAD")
+    s = course_status.chapter_status(repo, c)
+    assert (s.state, s.commit, s.since) == ("stale", first, changed)
