@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: run test test-py test-notebooks test-labs test-hygiene lint docs serve-docs labs chromium mermaid clean
+.PHONY: run test test-py test-notebooks test-labs test-hygiene lint docs serve-docs labs outputs-status chromium mermaid clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,10 @@ lint: $(VENV)/.dev
 # the lab notebooks a student works in, written from the solutions
 labs: $(VENV)/.runtime
 	$(BIN)/minillm labs build
+
+# the course map's per-chapter "outputs current / stale since <commit>" table, in README.md and the site's home page
+outputs-status: $(VENV)/.runtime
+	$(BIN)/minillm labs stale --write README.md chapters/index.md
 
 docs: $(VENV)/.dev mermaid
 	$(BIN)/mkdocs build --strict

@@ -147,6 +147,26 @@ def _labs(args) -> int:
     return 0
 
 
+def _labs_stale(args) -> int:
+    from pathlib import Path
+
+    from . import course_status
+
+    repo = Path(args.repo)
+    rows = course_status.course_status(repo)
+    if args.write:
+        course_status.write(repo, [Path(f) for f in args.write], rows)
+        for f in args.write:
+            print(f"wrote the outputs status into {f}")
+    print(course_status.markdown(rows) if args.markdown else "\n".join(
+        f"{s.chapter.number}  {s.chapter.notebook or '-':32} {s.words}" for s in rows))
+    listed = [s for s in rows if s.state in ("stale", "unknown")]
+    counts = {state: sum(s.state == state for s in rows) for state in ("current", "stale", "unknown")}
+    print(", ".join(f"{n} {state}" for state, n in counts.items()) + (
+        f": re-run {', '.join(s.chapter.notebook for s in listed)}" if listed else ""))
+    return 1 if args.check and listed else 0
+
+
 def _bench(args) -> int:
     from .bench import WORKLOADS, main
 
@@ -261,6 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--src", default="notebooks/labs")
     b.add_argument("--out", default=None, help="default: SRC/student")
     b.set_defaults(fn=_labs)
+    st = labs_sub.add_parser("stale", help="per chapter: are the notebook's stored outputs those of today's modules?")
+    st.add_argument("--repo", default=".", help="the repository checkout (default: here)")
+    st.add_argument("--markdown", action="store_true", help="print the course map's status table")
+    st.add_argument("--write", nargs="+", metavar="FILE", help="rewrite the outputs-status block of these files")
+    st.add_argument("--check", action="store_true", help="exit 1 if a notebook is stale or unknown")
+    st.set_defaults(fn=_labs_stale)
 
     from .entrypoints.openai.cli_args import add_serve_args
 

@@ -4,7 +4,7 @@ A notebook runs unchanged on a CPU-only machine (small shapes, Triton under TRIT
 on a CUDA GPU (real shapes, real benchmarks):
 
     from minillm import notebook as nb
-    nb.header("00")                               # names the GPU (or CPU), versions and the date
+    nb.header("00")                               # names the GPU (or CPU), versions, date, commit, modules hash
     n = nb.pick(cpu=256, gpu=8192)                # sizes follow the device
 """
 
@@ -13,7 +13,9 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import subprocess
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -50,8 +52,34 @@ def describe_device(dev: torch.device | None = None) -> str:
     return f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
 
 
+def git_commit(where: Path | None = None) -> str:
+    """The short commit of the checkout this runs from (the package's, else the working directory's),
+    or $MINILLM_COMMIT where there is no git (a copied tree), or "unknown"."""
+    for cwd in (where, Path(__file__).resolve().parent, Path.cwd()):
+        if cwd is None:
+            continue
+        try:
+            out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                                 timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    return os.environ.get("MINILLM_COMMIT", "unknown")
+
+
+def provenance(chapter: str) -> str:
+    """"commit C · modules H": the commit and the hash of the chapter's own module files (minillm.course),
+    which `minillm labs stale` compares with today's files."""
+    from .course import chapter as course_chapter
+    from .course import modules_hash
+
+    return f"commit {git_commit()} · modules {modules_hash(course_chapter(chapter))}"
+
+
 def header_line(chapter: str = "") -> str:
-    """The line that says where a notebook's numbers come from: device, versions, date."""
+    """The line that says where a notebook's numbers come from: device, versions, date, and for a
+    chapter the commit and the hash of its module files."""
     try:
         import triton
 
@@ -66,6 +94,8 @@ def header_line(chapter: str = "") -> str:
         f"Python {platform.python_version()}",
         _dt.date.today().isoformat(),
     ]
+    if chapter:
+        parts.append(provenance(chapter))
     return " | ".join(parts)
 
 

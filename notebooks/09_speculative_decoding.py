@@ -153,7 +153,43 @@ axes[0].legend()
 plt.show()
 
 # %% [markdown]
-# ## 3 · Acceptance and speedup per proposer
+# ## 3 · The acceptance model
+#
+# A draft sampled from $q$ is accepted with probability $\alpha = \sum_x \min(p(x), q(x)) = 1 - \mathrm{TV}(p, q)$.
+# The run above verified 30 000 first-position drafts: their acceptance rate should be $\alpha_0$ of the scripted
+# $p_0, q_0$ within sampling error. If every position is accepted independently with the same $\alpha$, a verify
+# step with $k$ drafts emits $(1 - \alpha^{k+1}) / (1 - \alpha)$ tokens on average; with a draft token costing
+# $c$ decode steps, the speedup $(1 - \alpha^{k+1}) / ((1 - \alpha)(1 + c k))$ peaks at a best $k$.
+
+# %%
+from minillm.spec_decode.acceptance import (acceptance_rate, expected_speedup, expected_tokens, offline_tokens_per_step,
+                                            optimal_k)
+
+out = emitted()
+alpha0 = float(acceptance_rate(p[0], q[0]))
+empirical = sum(e[0] == d for e, d in zip(out, drafts[:, 0].tolist())) / N  # a rejection never emits the draft
+sigma = (alpha0 * (1 - alpha0) / N) ** 0.5
+print(f"alpha_0 = 1 - TV(p_0, q_0) = {alpha0:.4f}; accepted first drafts: {empirical:.4f} "
+      f"({abs(empirical - alpha0) / sigma:.1f} standard errors apart)")
+assert abs(empirical - alpha0) < 6 * sigma
+
+# %%
+# NBVAL_CHECK_OUTPUT
+alphas, costs = [0.5, 0.7, 0.8, 0.9, 0.95], [0.01, 0.05, 0.2]
+print_table([{"alpha": a, **{f"best k, c={c}": optimal_k(a, c) for c in costs},
+              **{f"speedup, c={c}": expected_speedup(a, optimal_k(a, c), c) for c in costs}} for a in alphas],
+            title="the best number of drafts k for acceptance alpha and draft cost c (verify = one decode step)")
+fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+for a in alphas:
+    axes[0].plot(range(11), [expected_tokens(a, k) for k in range(11)], marker="o", label=f"alpha {a}")
+    axes[1].plot(range(11), [expected_speedup(a, k, 0.05) for k in range(11)], marker="o", label=f"alpha {a}")
+axes[0].set(xlabel="draft tokens k", ylabel="tokens per verify step", title="(1 - alpha^(k+1)) / (1 - alpha)")
+axes[1].set(xlabel="draft tokens k", ylabel="expected speedup", title="speedup with a draft token costing c = 0.05")
+axes[0].legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# ## 4 · Acceptance and speedup per proposer
 #
 # Greedy, EOS ignored, every request runs the same number of tokens. Grounded prompts quote their
 # input (a passage to summarize or repeat, a function to edit); open ones do not. For each proposer:
@@ -216,4 +252,62 @@ ax.legend()
 plt.show()
 close = sum(abs(r["measured"] / r["predicted"] - 1) <= 0.15 for r in spec_rows)
 print(f"{close} of {len(spec_rows)} measured speedups within 15 % of the prediction")
+
+# %% [markdown]
+# ## 5 · Predicted before the run
+#
+# The "predicted" column above divides by the same run's step times, so it checks bookkeeping, not a model.
+# Here the prediction uses nothing from the speculating engine: greedy tokens from plain decoding (the
+# unbatched path of chapter 03), replayed offline to see how many n-gram drafts greedy verification would
+# keep at each step (exact: greedy speculation emits the plain tokens); the verify cost $r_k$ from section 1's
+# forward passes; the draft cost $c$ from timing the lookup here. A batch runs until its slowest sequence is
+# done, so the batch's prediction uses its fewest tokens per step:
+# $\min_b E_b / (r_k + c_B)$.
+
+# %%
+from minillm.generation import generate_sequences
+from minillm.spec_decode.ngram import ngram_lookup
+
+greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+plain = {kind: [] for kind in ids}  # per prompt: (prompt length, prompt + greedy output)
+for kind in ids:
+    for prompt_ids in ids[kind]:
+        *_, seqs = generate_sequences(target, tok, prompt_ids, greedy, [])
+        plain[kind].append((len(prompt_ids), list(seqs[0].token_ids)))
+verify = {(r["batch"], r["k"]): r["x decode"] for r in rows if r["model"] == next(iter(models))}
+decode_ms = {B: next(r["ms"] for r in rows if r["model"] == next(iter(models)) and r["batch"] == B and r["k"] == 0)
+             for B in batch_sizes}
+offline = []
+for name, spec in spec_bench.configs(nb.pick(cpu=[2], gpu=[2, 4]), [], None)[1:]:
+    k, lo, hi = spec["num_speculative_tokens"], spec.get("prompt_lookup_min", 1), spec["prompt_lookup_max"]
+    calls, per_prompt = [], {}
+
+    def propose(prefix, kk, lo=lo, hi=hi, calls=calls):
+        calls.append(1)
+        return ngram_lookup(prefix, lo, hi, kk)
+
+    t0 = time.perf_counter()
+    for kind in ids:
+        for j, (n, toks) in enumerate(plain[kind]):
+            per_prompt[kind, j] = offline_tokens_per_step(toks, n, propose, k)
+    t_call = (time.perf_counter() - t0) / max(len(calls), 1)  # seconds per lookup (the replay is mostly lookups)
+    for kind in ids:
+        for B in batch_sizes:
+            E = [per_prompt[kind, i % len(ids[kind])][0] for i in range(B)]
+            c = B * t_call * 1e3 / decode_ms[B]
+            pred = min(E) / (verify[B, k] + c)
+            meas = next(r["measured"] for r in results if (r["prompts"], r["batch"], r["config"]) == (kind, B, name))
+            offline.append({"prompts": kind, "batch": B, "config": name, "E mean": sum(E) / B, "E min": min(E),
+                            "r_k": verify[B, k], "c": c, "predicted": pred, "measured": meas, "meas/pred": meas / pred})
+print_table(offline, title="speedup predicted from offline acceptance and section 1's verify cost, against the engine")
+print_table([{"prompt": f"{kind} {j}", "tokens/step (k=" + str(k) + ")": v[0],
+              **{f"accepted at {i + 1}": a for i, a in enumerate(v[1])}} for (kind, j), v in per_prompt.items()],
+            title=f"per prompt, offline, the last configuration ({name}): tokens per step and acceptances per draft position")
+
+fig, ax = plt.subplots(figsize=(5, 5))
+ax.scatter([r["predicted"] for r in offline], [r["measured"] for r in offline])
+top = max(max(r["predicted"], r["measured"]) for r in offline) * 1.1
+ax.plot([0, top], [0, top], color="grey", lw=0.8)
+ax.set(xlabel="predicted before the run", ylabel="measured by the engine", title="offline acceptance model vs the clock")
+plt.show()
 print(f"notebook time: {time.perf_counter() - T0:.0f} s")

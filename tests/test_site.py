@@ -49,8 +49,19 @@ def site(tmp_path_factory):
     server.shutdown()
 
 
+NOT_FOUND: list[str] = []  # every path the test server answered 404, in order
+
+
 class _SiteHandler(http.server.SimpleHTTPRequestHandler):
     """The built site, as is; an HTML page asked for with ?light-dom gets LIGHT_DOM_SHIM."""
+
+    def send_error(self, code, message=None, explain=None):
+        if code == 404:
+            NOT_FOUND.append(self.path)
+        super().send_error(code, message, explain)
+
+    def log_message(self, *args):
+        pass
 
     def do_GET(self):
         path, _, query = self.path.partition("?")
@@ -112,7 +123,8 @@ def _stray_escapes(dom: str) -> list[str]:
 
 @pytest.mark.parametrize("page", ["00-why-inference-is-different/", "01-tokenizer/", "02-the-model/", "03-kv-cache/",
                                   "04-flash-attention/", "05-paged-kv/", "06-prefix-caching/",
-                                  "07-continuous-batching/", "08-quantization/"])
+                                  "07-continuous-batching/", "08-quantization/", "09-speculative-decoding/",
+                                  "12-serving/"])
 def test_chapter_page_renders(site, page):
     _, base = site
     dom = _dom(f"{base}/{page}")
@@ -168,3 +180,49 @@ def test_notebook_page_renders_plots_and_math(site, page):
     assert _math_ok(dom), "MathJax did not typeset the notebook's $...$ math"
     assert "nb.widget(" not in dom, "widget cells should be hidden on the site"
     assert " | GPU " in dom, "the notebook on the site should show the outputs of a GPU run"
+
+
+@pytest.mark.parametrize("page", ["", "08-quantization/", "09-speculative-decoding/", "notebooks/08_quantization/",
+                                  "notebooks/09_speculative_decoding/"])
+def test_page_requests_nothing_missing(site, page):
+    """Every asset a page asks for exists: MathJax asks for the fonts the site serves (STIX-Web), not its
+    default TeX fonts (which would 404 and fall back to plain glyphs)."""
+    _, base = site
+    before = len(NOT_FOUND)
+    dom = _dom(f"{base}/{page}?fresh")  # (not the cached DOM of another test: this load's requests count)
+    assert NOT_FOUND[before:] == [], f"{page or 'home'} requested missing files: {NOT_FOUND[before:]}"
+    if 'class="MathJax' in dom:  # the page has typeset math
+        assert "STIXMathJax_" in dom, "MathJax did not typeset with the STIX-Web fonts the site serves"
+
+
+def test_pages_are_titled_by_chapter(site):
+    out, _ = site
+    for path, title in [("09-speculative-decoding/index.html", "09 · Speculative decoding — text"),
+                        ("notebooks/09_speculative_decoding/index.html", "09 · Speculative decoding — notebook")]:
+        assert f"<title>{title} - minillm</title>" in (out / path).read_text(), path
+
+
+def test_wide_diagrams_keep_legible_labels(site):
+    """A left-to-right flowchart is drawn at its natural size (the page scrolls sideways), not shrunk to
+    the column: its SVG has a width in pixels and no max-width that scales it down."""
+    _, base = site
+    dom = _dom(f"{base}/08-quantization/?{LIGHT_DOM}")
+    svgs = re.findall(r'<svg id="__mermaid_\d+"[^>]*>', dom)
+    assert svgs, "no diagram drawn"
+    for svg in svgs:
+        assert re.search(r'width="\d+(\.\d+)?"', svg) and "max-width" not in svg, svg
+
+
+def test_notebook_output_does_not_wrap(site):
+    """print_table's rows stay one line each: notebook output blocks scroll sideways instead of wrapping."""
+    _, base = site
+    dom = _dom(f"{base}/notebooks/09_speculative_decoding/")
+    assert re.search(r"\.jp-OutputArea-output pre[^{]*\{[^}]*white-space: pre !important", dom)
+
+
+def test_home_page_shows_outputs_status(site):
+    _, base = site
+    dom = _dom(f"{base}/")
+    for n in ("00", "09", "12"):
+        assert re.search(rf"<td>{n}</td>\s*<td><a [^>]*>[^<]+</a></td>\s*<td>[^<]*</td>\s*<td>(current|stale|unknown)",
+                         dom), f"chapter {n}'s outputs status missing from the home page"

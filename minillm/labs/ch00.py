@@ -7,6 +7,7 @@ import random
 from ..hw import Ceilings, matmul_cost
 from ..kv_memory import kv_cache_bytes
 from .checker import check
+from .hints import Hints
 
 
 def check_matmul_cost(fn, cases: int = 200):
@@ -38,3 +39,22 @@ def check_attainable(fn, cases: int = 200):
         return 10 ** rng.uniform(-1, 4), rng.uniform(10, 2000), rng.uniform(100, 8000)
 
     return check("attainable_tflops", fn, reference, case, cases=cases)
+
+
+hint = Hints("00", {
+    "matmul_cost": (
+        'Count a multiply and an add as two FLOPs, and count every matrix once in bytes.',
+        'Each of the m·n outputs is a dot product of length k. The bytes are A, B and C read or written once: m·k + k·n + m·n elements.',
+        'flops = 2 * m * n * k\nnbytes = (m * k + k * n + m * n) * dtype_bytes',
+    ),
+    "kv_cache_bytes": (
+        'Every layer caches a key and a value vector per KV head for every token of every sequence.',
+        'Per token per layer: 2 (K and V) × num_kv_heads × head_dim elements. Multiply by layers, tokens, batch, bytes.',
+        'return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes * seq_len * batch',
+    ),
+    "attainable_tflops": (
+        'Below the ridge point memory limits the speed; above it the arithmetic does.',
+        'Memory allows intensity (FLOP/byte) × bandwidth (bytes/s) FLOP/s; the roofline is the smaller of that and the peak. Mind the units: GB/s × FLOP/B = GFLOP/s.',
+        'return min(peak_tflops, intensity * bandwidth_gbps / 1e3)',
+    ),
+})

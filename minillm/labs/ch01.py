@@ -9,6 +9,7 @@ from types import MappingProxyType
 
 from ..tokenizer import bpe, count_pairs, load_tokenizer, merge_pair
 from .checker import check
+from .hints import Hints
 
 
 @cache
@@ -78,3 +79,27 @@ def check_encode(fn, cases: int = 100):
         return ("".join(_random_chunk(rng) for _ in range(rng.randint(1, 8))),)
 
     return check("encode", fn, lambda text: tok.encode(text), case, cases=cases)
+
+
+hint = Hints("01", {
+    "count_pairs": (
+        'A word that occurs 5 times contributes each of its adjacent pairs 5 times.',
+        "zip(ids, ids[1:]) gives the adjacent pairs of one word; add the word's frequency to each in a Counter.",
+        'for ids, freq in words.items():\n    for pair in zip(ids, ids[1:]):\n        counts[pair] += freq',
+    ),
+    "merge_pair": (
+        'Scan left to right with an index you advance yourself.',
+        'When ids[i], ids[i+1] is the pair, emit new_id and skip two; otherwise emit ids[i] and step one. That makes overlapping occurrences (a a a) merge from the left.',
+        'while i < len(ids):\n    if i + 1 < len(ids) and (ids[i], ids[i+1]) == pair: out.append(new_id); i += 2\n    else: out.append(ids[i]); i += 1',
+    ),
+    "bpe": (
+        'Merges are applied by rank, not by position: the lowest-ranked pair present anywhere goes first.',
+        'Repeat: among the adjacent pairs that are in merges, take the one with the smallest rank (merges[pair][0]) and merge all its occurrences with merge_pair; stop when no pair is in merges.',
+        'while len(ids) >= 2:\n    ranked = [(merges[p][0], p) for p in zip(ids, ids[1:]) if p in merges]\n    if not ranked: break\n    _, pair = min(ranked)\n    ids = merge_pair(ids, pair, merges[pair][1])',
+    ),
+    "encode": (
+        'Merges never cross a pre-tokenizer chunk boundary.',
+        "Split the text with the tokenizer's pre-tokenizer, turn each chunk's UTF-8 bytes into byte-token ids, run bpe on each chunk with the real merge table, and concatenate.",
+        "for chunk in tok.pre_tokenizer.split(text):\n    ids += bpe(tok.bytes_to_ids(chunk.encode('utf-8')), tok.merges)",
+    ),
+})

@@ -10,6 +10,7 @@ from ..layers import Attention, AttentionMetadata, RotaryEmbedding
 from ..sampling import SamplingParams, filtered_probs
 from ..sampling.sampler import SamplingMetadata
 from .checker import check
+from .hints import Hints
 
 
 def _close(atol: float):
@@ -70,3 +71,22 @@ def check_top_p(fn, cases: int = 100):
         return filtered_probs(logits[None], meta)[0]
 
     return check("top_p", fn, reference, case, cases=cases, equal=_close(1e-6))
+
+
+hint = Hints("02", {
+    "rope": (
+        'Each pair of dimensions (i, i + D/2) is rotated by an angle that grows with the position.',
+        "inv_freq = base^(-2i/D) for i < D/2; angle = position × inv_freq, repeated to D columns. x' = x·cos + rotate_half(x)·sin, with rotate_half(x) = cat(-x2, x1) of the two halves.",
+        'inv_freq = 1 / base ** (torch.arange(0, D, 2).float() / D)\nangles = positions.float()[:, None] * inv_freq\nemb = torch.cat([angles, angles], -1); cos, sin = emb.cos()[:, None], emb.sin()[:, None]\nreturn q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin',
+    ),
+    "gqa_attention": (
+        'Make each KV head serve Hq/Hkv query heads, then it is ordinary causal attention.',
+        'repeat_interleave K and V along the head dim by group = Hq // Hkv (head h uses KV head h // group). Scores [Hq, T, T] scaled by 1/sqrt(D); mask the upper triangle with -inf before the softmax.',
+        "k = k.repeat_interleave(group, 1); v = v.repeat_interleave(group, 1)\ns = torch.einsum('thd,shd->hts', q, k) / D**0.5\ns = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -inf)\nreturn torch.einsum('hts,shd->thd', s.softmax(-1), v).reshape(T, Hq * D)",
+    ),
+    "top_p_filter": (
+        'Sort the probabilities; keep the most likely tokens until their mass reaches top_p.',
+        'A token is kept if the mass ranked strictly above it is below top_p (so the token that crosses top_p stays). cumsum - itself gives that mass. Scatter back to the original order and renormalise.',
+        'sp, order = probs.sort(descending=True)\nbefore = sp.cumsum(-1) - sp\nsp = sp.masked_fill(before >= top_p, 0)\nkept = torch.zeros_like(probs).scatter(0, order, sp); return kept / kept.sum()',
+    ),
+})

@@ -11,6 +11,7 @@ from ..generation import prepare_inputs
 from ..kernels.flash_decode import flash_decode_ref
 from ..layers.attention import store_kv
 from .checker import check
+from .hints import Hints
 
 
 def _tensors_equal(got, want) -> bool:
@@ -97,3 +98,21 @@ def check_cached_decode_attention(fn, cases: int = 50):
 
     return check("cached_decode_attention", fn, reference, case, cases=cases, equal=close)
 
+
+hint = Hints("03", {
+    "append_kv": (
+        "The cache's first two dims (slot, position) together number the rows a token can go to.",
+        'View the cache as [num_slots * max_len, Hkv, D]; slot_mapping holds row indices into that view. Assigning through an indexed view writes into the cache in place.',
+        'k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k\nv_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v',
+    ),
+    "decode_inputs": (
+        'The new token of a sequence of length n sits at position n - 1.',
+        'Its K/V row in the flat cache is slot * max_len + (n - 1); seq_lens stay as given (the new token counts).',
+        'positions = [n - 1 for n in seq_lens]\nslot_mapping = [s * max_len + n - 1 for s, n in zip(slots, seq_lens)]',
+    ),
+    "cached_decode_attention": (
+        "One query per sequence attends over that sequence's cached keys: loop over sequences.",
+        'For sequence b read k_cache[slot, :n] and v_cache[slot, :n], repeat the KV heads for GQA, then softmax(q·Kᵀ/√D)·V; no causal mask is needed (every cached key is in the past).',
+        "k = k_cache[s, :n].repeat_interleave(group, 1)\nscores = torch.einsum('hd,nhd->hn', q[b], k) / D**0.5\nout[b] = torch.einsum('hn,nhd->hd', scores.softmax(-1), v)",
+    ),
+})

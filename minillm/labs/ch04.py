@@ -15,6 +15,7 @@ import torch
 
 from ..kernels.flash_attn import flash_attn_varlen_ref
 from .checker import check
+from .hints import Hints
 
 
 def check_online_softmax(fn, cases: int = 60):
@@ -104,3 +105,17 @@ def check_attention_tile(kernel, cases: int | None = None):
     where = "natively on the GPU" if gpu else "in Triton's CPU interpreter"
     print(f"running the kernel {where}")
     return check("attention_tile", student, reference, case, cases=cases, equal=close)
+
+
+hint = Hints("04", {
+    "online_softmax_step": (
+        'Keep a running maximum m, a running sum l and an unnormalized output acc; a new tile may raise m.',
+        'm_new = max(m, row max of s). Everything accumulated so far was scaled by exp(-m); rescale it by alpha = exp(m - m_new). The tile adds p = exp(s - m_new): l += p.sum(1), acc += p @ v.',
+        'm_new = torch.maximum(m, s.amax(1)); alpha = torch.exp(m - m_new); p = torch.exp(s - m_new[:, None])\nreturn m_new, l * alpha + p.sum(1), acc * alpha[:, None] + p @ v',
+    ),
+    "attention_tile": (
+        'The kernel loops over key tiles of BLOCK_N rows; inside, it is exercise 1 in Triton.',
+        'Per tile: load K and V rows start..start+BLOCK_N with a mask (rows < seqlen_k), s = tl.dot(q, tl.trans(k)) * qk_scale, set s to -inf past seqlen_k, then the online-softmax update with tl.exp2 (the scale is in log2 units) and acc += tl.dot(p.to(v.dtype), v).',
+        "k = tl.load(K + rows[:, None] * stride_k + offs_d[None, :], mask=inside, other=0.0)\ns = tl.dot(q, tl.trans(k)) * qk_scale; s = tl.where(rows[None, :] < seqlen_k, s, float('-inf'))\nm_new = tl.maximum(m_i, tl.max(s, 1)); alpha = tl.exp2(m_i - m_new); p = tl.exp2(s - m_new[:, None])\nl_i = l_i * alpha + tl.sum(p, 1); acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v); m_i = m_new",
+    ),
+})

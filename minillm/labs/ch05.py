@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from ..engine.block_manager import BlockManager, cdiv
 from ..worker.model_input import prepare_model_input
 from .checker import CheckFailed, Verdict, _short, check
+from .hints import Hints
 
 SKIP = object()  # the reference could not do this operation (no room): it is not asked of the student
 
@@ -209,3 +210,17 @@ def check_block_allocator(cls, cases: int = 100):
         return (num_blocks, block_size), _allocator_ops(rng, num_blocks, block_size)
 
     return replay("block_allocator", lambda n, bs: _StudentDriver(cls, n, bs), _ReferenceDriver, make_ops, cases=cases)
+
+
+hint = Hints("05", {
+    "slot_mapping": (
+        'Position p of a sequence lives in its (p // block_size)-th block, at offset p % block_size.',
+        "The block table maps the sequence's block index to a physical block; the flat slot is physical_block * block_size + offset.",
+        'return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]',
+    ),
+    "BlockAllocator": (
+        'Each block has a reference count: forks share blocks, and a block goes back to the free list at count 0.',
+        "allocate: ceil(n / block_size) new blocks or refuse. fork: the child gets a copy of the parent's table and every block's count goes up. append: a token at n % block_size == 0 opens a new block; otherwise a shared last block (count > 1) is copied first (copy-on-write: return (src, dst)). free: drop each block.",
+        'append: table, n = ...; num_tokens += 1\nif n % bs == 0: table.append(new()); return None\nif ref_counts[table[-1]] == 1: return None\ndst = new(); drop(table[-1]); src, table[-1] = table[-1], dst; return src, dst',
+    ),
+})

@@ -15,6 +15,7 @@ import random
 from ..engine.block_manager import cdiv
 from ..engine.prefix_cache import HashPrefixCache, RadixPrefixCache
 from .ch05 import replay
+from .hints import Hints
 
 
 def _prompt(rng: random.Random, prefixes: list[list[int]], block_size: int) -> list[int]:
@@ -165,3 +166,17 @@ def check_radix_cache(cls, cases: int = 500):
         return (bs,), _radix_ops(rng, bs, rng.randint(3, 12))
 
     return replay("radix_cache", cls, _RadixReference, make_ops, cases=cases)
+
+
+hint = Hints("06", {
+    "block_keys": (
+        'Two blocks with the same tokens but different prefixes must get different keys.',
+        "Chain the hashes: block i's key hashes (key of block i - 1, the block's tokens as a tuple). Only full blocks get keys.",
+        'key = None\nfor i in range(len(token_ids) // block_size):\n    key = hash((key, tuple(token_ids[i*block_size:(i+1)*block_size]))); keys.append(key)',
+    ),
+    "RadixCache": (
+        'Each tree node is one block of tokens; a path from the root spells a prefix.',
+        'match: walk children by block tuples, touching last_used, and collect the blocks. insert: create missing children (keep an existing node even if another block wants the same tokens). evict: among unused blocks choose a leaf (no children) with the oldest last_used, unlink it from its parent.',
+        'leaves = [b for b in self.unused if not self.node_of[b].children]\nb = min(leaves, key=lambda b: self.node_of[b].last_used)\nnode = self.node_of.pop(b); del node.parent.children[node.tokens]; self.unused.discard(b); return b',
+    ),
+})

@@ -17,6 +17,7 @@ from ..engine.scheduler import Scheduler
 from ..sampling import SamplingParams
 from ..sequence import Sequence, SequenceStatus
 from .checker import check
+from .hints import Hints
 
 
 class SeqState(NamedTuple):
@@ -101,3 +102,12 @@ def check_schedule(fn, cases: int = 300):
         return sorted((int(i), int(n)) for i, n in scheduled), sorted(int(i) for i in preempted)
 
     return check("schedule", student, reference_schedule, _state, cases=cases)
+
+
+hint = Hints("07", {
+    "schedule": (
+        'Two phases: first the running sequences (by priority, decodes before prompt chunks), then admit waiting ones.',
+        'For each running sequence take n = min(remaining tokens, budget) and the blocks that needs; while there are not enough free blocks, preempt from the back of the queue (the lowest priority), itself last. Admit from waiting in order only if nothing was preempted, while budget, max_num_seqs and free blocks allow; stop at the first that does not fit (no overtaking).',
+        'need = blocks_for(seq.num_computed + n) - seq.num_blocks\nwhile need > free_blocks:\n    victim = queue.pop() if queue else seq; free_blocks += victim.num_blocks; preempted.append(victim.seq_id)\n    if victim is seq: break',
+    ),
+})

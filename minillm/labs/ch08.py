@@ -17,6 +17,7 @@ from ..layers.quantization.awq import ALPHAS, search_scale
 from ..layers.quantization.gptq import column_update, hessian, inverse_cholesky
 from ..layers.quantization.utils import quantize_int4
 from .checker import check
+from .hints import Hints
 
 
 def _close(got, want) -> bool:
@@ -137,3 +138,27 @@ def check_gptq_update(fn, cases: int = 100):
     """fn(W [N, B], U [B, B], i, wq [N]) -> (W after the update [N, B], err [N])."""
     return check("gptq_update", lambda W, U, i, wq: fn(W.clone(), U.clone(), i, wq.clone()),
                  reference_gptq_update, _block, cases=cases, equal=_close)
+
+
+hint = Hints("08", {
+    "group_quantize": (
+        'Each group of group_size weights in a row gets its own scale and minimum; 4 bits give the values 0..15.',
+        "View w as [N, K/G, G]. min = the group's minimum, scale = (max - min) / 15 (never 0: clamp it to a tiny positive number), q = round((w - min) / scale) clamped to 0..15.",
+        'wg = w.view(N, K // G, G); mins = wg.amin(-1); scales = (wg.amax(-1) - mins) / 15\nq = torch.round((wg - mins[..., None]) / scales.clamp_min(tiny)[..., None]).clamp(0, 15)\nreturn q.view(N, K).long(), scales, mins',
+    ),
+    "group_dequantize": (
+        "Undo exercise 1 group by group: the stored integer times the group's scale plus its minimum.",
+        'View q as [N, K/G, G] so that scales[..., None] and mins[..., None] broadcast over each group.',
+        'w = q.view(N, K // G, G).float() * scales[..., None] + mins[..., None]\nreturn w.view(N, K)',
+    ),
+    "awq_scale": (
+        'AWQ scales each input channel by s before quantizing and divides it back after, so channels that carry large activations keep more precision.',
+        'For each alpha in ALPHAS: s = mean|x|^alpha per input channel, normalized by sqrt(max(s) * min(s)); quantize and dequantize w * s, divide by s, and measure the mean squared error of x @ wq.T against x @ w.T. Keep the best (s, alpha); the first on a tie.',
+        'for alpha in ALPHAS:\n    s = x_mean ** alpha; s = s / (s.max() * s.min()).sqrt()\n    wq = group_dequantize(*group_quantize(w * s, G), G) / s\n    err = ((x @ wq.T - y) ** 2).mean().item()',
+    ),
+    "gptq_update": (
+        'GPTQ quantizes column i, then spreads its error over the columns not yet quantized.',
+        "err = (W[:, i] - wq) / U[i, i] with U the upper Cholesky factor of the inverse Hessian; every later column j >= i moves by -err * U[i, j]. Do not modify the caller's W in place.",
+        'err = (W[:, i] - wq) / U[i, i]\nW = W.clone(); W[:, i:] -= err[:, None] * U[i, i:][None, :]\nreturn W, err',
+    ),
+})

@@ -12,6 +12,7 @@ import random
 
 from ..bench import serve_metrics as sm
 from .checker import check
+from .hints import Hints
 
 
 def _close(got, want) -> bool:
@@ -108,3 +109,22 @@ def _sse_case(rng: random.Random):
 def check_parse_sse(fn, cases: int = 300):
     """fn(chunks: list[bytes]) -> list[str]: every event's data, in order."""
     return check("parse_sse", fn, sm.parse_sse, _sse_case, cases=cases)
+
+
+hint = Hints("12", {
+    "request_metrics": (
+        "TTFT is the first chunk's arrival minus the request's start; E2E the last chunk's.",
+        'ITL: the gaps between consecutive chunks. TPOT spreads the time after the first token over the other n - 1 tokens, n from usage (output_tokens) or, without usage, the number of chunks; None when n < 2.',
+        'n = len(chunk_times) if output_tokens is None else output_tokens\nttft = chunk_times[0] - start; e2e = chunk_times[-1] - start\nitl = [b - a for a, b in zip(chunk_times, chunk_times[1:])]\ntpot = (e2e - ttft) / (n - 1) if n > 1 else None',
+    ),
+    "goodput": (
+        'Goodput counts only successful requests that met both latency targets, per second of the run.',
+        'Use request_metrics on each successful request; it is good when ttft (ms) <= slo_ms[0] and tpot (ms, 0 when None) <= slo_ms[1]. Divide the count by duration.',
+        'for start, times, n, ok in requests:\n    if not ok: continue\n    ttft, tpot, _, _ = request_metrics(start, times, n)\n    good += ttft * 1e3 <= slo_ms[0] and (tpot or 0.0) * 1e3 <= slo_ms[1]\nreturn good / duration',
+    ),
+    "parse_sse": (
+        'Chunks are cut anywhere, even inside a line: join the bytes first, then split into lines.',
+        "Lines end with \\r\\n, \\r or \\n; the last piece has no end and is unfinished (drop it). A blank line ends an event; 'data:' lines (one optional space after the colon) add a line to the event's data; other fields are ignored; an event without data lines sends nothing.",
+        "for line in re.split(r'\\r\\n|\\r|\\n', text)[:-1]:\n    if line == '':\n        if data: events.append('\\n'.join(data))\n        data = []\n    elif line == 'data' or line.startswith('data:'):\n        v = line[5:]; data.append(v[1:] if v.startswith(' ') else v)",
+    ),
+})

@@ -24,6 +24,14 @@
 # %%
 from minillm.labs import ch00
 
+
+# %% [markdown]
+# Stuck? Each exercise has three hints, from a nudge to a near-solution: run
+# `ch00.hint("matmul_cost", 1)`, then 2, then 3. This lists the exercises:
+
+# %%
+ch00.hint()
+
 # %% [markdown]
 # ## Exercise 1 — FLOPs and bytes of a matrix product
 #

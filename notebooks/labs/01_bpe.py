@@ -24,6 +24,14 @@ from minillm.tokenizer import load_tokenizer
 
 tok = load_tokenizer()  # SmolLM2's tokenizer: for its merges and its pre-tokenizer
 
+
+# %% [markdown]
+# Stuck? Each exercise has three hints, from a nudge to a near-solution: run
+# `ch01.hint("count_pairs", 1)`, then 2, then 3. This lists the exercises:
+
+# %%
+ch01.hint()
+
 # %% [markdown]
 # ## Exercise 1 — counting pairs
 #

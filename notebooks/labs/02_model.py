@@ -23,6 +23,14 @@ import torch
 
 from minillm.labs import ch02
 
+
+# %% [markdown]
+# Stuck? Each exercise has three hints, from a nudge to a near-solution: run
+# `ch02.hint("rope", 1)`, then 2, then 3. This lists the exercises:
+
+# %%
+ch02.hint()
+
 # %% [markdown]
 # ## Exercise 1 — rotary position embedding
 #

@@ -30,6 +30,14 @@ import torch
 
 from minillm.labs import ch03
 
+
+# %% [markdown]
+# Stuck? Each exercise has three hints, from a nudge to a near-solution: run
+# `ch03.hint("append_kv", 1)`, then 2, then 3. This lists the exercises:
+
+# %%
+ch03.hint()
+
 # %% [markdown]
 # ## Exercise 1 — append to the cache
 #

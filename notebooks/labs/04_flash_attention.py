@@ -40,6 +40,14 @@ import triton.language as tl
 
 from minillm.labs import ch04
 
+
+# %% [markdown]
+# Stuck? Each exercise has three hints, from a nudge to a near-solution: run
+# `ch04.hint("online_softmax_step", 1)`, then 2, then 3. This lists the exercises:
+
+# %%
+ch04.hint()
+
 # %% [markdown]
 # ## Exercise 1 — the online-softmax update
 #

@@ -27,6 +27,14 @@ from collections import deque
 
 from minillm.labs import ch05
 
+
+# %% [markdown]
+# Stuck? Each exercise has three hints, from a nudge to a near-solution: run
+# `ch05.hint("slot_mapping", 1)`, then 2, then 3. This lists the exercises:
+
+# %%
+ch05.hint()
+
 # %% [markdown]
 # ## Exercise 1 — the slot mapping
 #

@@ -26,6 +26,14 @@ import itertools
 
 from minillm.labs import ch06
 
+
+# %% [markdown]
+# Stuck? Each exercise has three hints, from a nudge to a near-solution: run
+# `ch06.hint("block_keys", 1)`, then 2, then 3. This lists the exercises:
+
+# %%
+ch06.hint()
+
 # %% [markdown]
 # ## Exercise 1 — chained block keys (vLLM)
 #

@@ -27,6 +27,14 @@ from minillm.labs.ch07 import SeqState
 
 SeqState(seq_id=3, priority=0, arrival=17, num_tokens=40, num_computed=39, num_blocks=3)  # a decoding sequence
 
+
+# %% [markdown]
+# Stuck? Each exercise has three hints, from a nudge to a near-solution: run
+# `ch07.hint("schedule", 1)`, then 2, then 3. This lists the exercises:
+
+# %%
+ch07.hint()
+
 # %% [markdown]
 # ## Exercise — `schedule`
 #

@@ -27,6 +27,14 @@ from minillm.kernels.w4a16 import dequantize_int4
 from minillm.labs import ch08
 from minillm.layers.quantization.utils import quantize_int4, sqnr
 
+
+# %% [markdown]
+# Stuck? Each exercise has three hints, from a nudge to a near-solution: run
+# `ch08.hint("group_quantize", 1)`, then 2, then 3. This lists the exercises:
+
+# %%
+ch08.hint()
+
 # %% [markdown]
 # ## Exercise 1 — `group_quantize` and `group_dequantize`
 #

@@ -22,6 +22,14 @@
 # %%
 from minillm.labs import ch12
 
+
+# %% [markdown]
+# Stuck? Each exercise has three hints, from a nudge to a near-solution: run
+# `ch12.hint("request_metrics", 1)`, then 2, then 3. This lists the exercises:
+
+# %%
+ch12.hint()
+
 # %% [markdown]
 # ## Exercise 1 — `request_metrics`
 #
