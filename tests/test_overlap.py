@@ -160,3 +160,20 @@ def test_overlapped_engine_on_gpu_with_cuda_graphs(seed, tok, case):
         outs.append({r: [c.token_ids for c in o.outputs] for r, o in got.items()})
         engine.shutdown()
     assert outs[0] == outs[1] == {f"r{i}": want for i, want in enumerate(expected)}
+
+
+def test_device_sampler_greedy_batches_take_the_short_path(seed):
+    """An all-greedy batch (three kernels): the Sampler's tokens on fresh logits with a NaN row, a row of
+    -inf but one and a +inf, and -1 for a row of NaN only."""
+    torch.manual_seed(seed)
+    logits = torch.randn(9, 61) * 4
+    logits[1, 7] = float("nan")
+    logits[2] = float("-inf")
+    logits[2, 30] = -3.0
+    logits[5, 40] = float("inf")
+    params = [SamplingParams(temperature=0.0)] * 9
+    want = Sampler()(logits, _meta(params, [0] * 9, [0] * 9, 61)).token_ids.tolist()
+    assert sample_on_device(logits, params, [0] * 9, [0] * 9).tolist() == want
+    logits[4] = float("nan")
+    out = sample_on_device(logits, params, [0] * 9, [0] * 9)
+    assert out.tolist()[4] == -1 and out.next_input[4].item() == 0

@@ -51,6 +51,11 @@ def run(model=None, *, batch_sizes: str | list[int] = "1,64,256", steps: int = 1
     tops = [k for p in runs for k in p["top_kernels"]]
     if tops:
         print_table(tops, ["async", "batch_size", "name", "launches_per_step", "us_per_step"], title="top kernels")
+    ops = [{"async": "on" if p["async_scheduling"] else "off", "batch_size": p["batch_size"], **o}
+           for p in runs for o in p["top_host_ops"]]
+    if ops:
+        print_table(ops, ["async", "batch_size", "name", "calls_per_step", "host_us_per_step"],
+                    title="top host-side operations (own CPU time)")
     return _write({**info, "workload": "profile", "model": models.label, "device": str(device), "runs": runs},
                   json_path)
 

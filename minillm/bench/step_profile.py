@@ -10,6 +10,8 @@ runs `batch_size` requests into steady-state decode on an idle engine and measur
     gap_ms           (GPU) wall - kernels: time the GPU sat idle waiting for the host
     kernels_per_step, kernels_per_layer   (GPU) kernel launches in one step, and per decoder layer
     top_kernels      (GPU) the kernels that take the most time per step: name, launches, µs
+    top_host_ops     (GPU) the host-side operations (torch ops, CUDA runtime calls such as the graph
+                     launch) that take the most CPU time of their own per step
     schedule_ms, prepare_ms, launch_ms, sample_ms, other_ms
                      host time by phase: Scheduler.schedule; packing the ModelInput; the executor's
                      execute_model (input copies, graph replay or eager launches); sampling (queued on
@@ -50,9 +52,9 @@ def _timed_steps(engine, n: int) -> list[float]:
     return out
 
 
-def _kernels(engine, n: int, top: int) -> tuple[float, float, list[dict]]:
+def _kernels(engine, n: int, top: int) -> tuple[float, float, list[dict], list[dict]]:
     """Kernel (and memcpy/memset) seconds and launches per step over n steps, by torch.profiler; the top
-    kernels by time."""
+    kernels by time, and the host-side operations (torch ops, CUDA runtime calls) by their own CPU time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -63,15 +65,19 @@ def _kernels(engine, n: int, top: int) -> tuple[float, float, list[dict]]:
                 engine.step()
             torch.cuda.synchronize()
         averages = prof.key_averages()
-    rows = []
+    rows, host = [], []
     for evt in averages:
         if evt.device_type == DeviceType.CUDA:  # device activity only: CPU ops would count their kernels twice
             us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
             rows.append({"name": evt.key[:80], "launches_per_step": evt.count / n, "us_per_step": us / n})
+        else:
+            host.append({"name": evt.key[:80], "calls_per_step": evt.count / n,
+                         "host_us_per_step": evt.self_cpu_time_total / n})
     rows.sort(key=lambda r: -r["us_per_step"])
+    host.sort(key=lambda r: -r["host_us_per_step"])
     total_s = sum(r["us_per_step"] for r in rows) / 1e6
     launches = sum(r["launches_per_step"] for r in rows if not r["name"].startswith("Memcpy"))
-    return total_s, launches, rows[:top]
+    return total_s, launches, rows[:top], host[:top]
 
 
 def _host_split(engine, n: int) -> dict:
@@ -137,7 +143,7 @@ def profile_decode_step(engine, batch_size: int, *, steps: int = 10, warmup: int
         _timed_steps(engine, warmup)
         preempted = engine.stats["num_preemptions"]
         wall = statistics.median(_timed_steps(engine, steps))
-        kernel_s, launches, top_rows = _kernels(engine, steps, top) if gpu else (None, None, [])
+        kernel_s, launches, top_rows, host_ops = _kernels(engine, steps, top) if gpu else (None, None, [], [])
         host = _host_split(engine, steps)
         if engine.stats["num_preemptions"] != preempted:
             raise RuntimeError("requests were preempted while profiling: give the engine more KV blocks")
@@ -149,7 +155,7 @@ def profile_decode_step(engine, batch_size: int, *, steps: int = 10, warmup: int
                 "gpu_busy_pct": 100 * kernel_s / wall if gpu else None,
                 "gap_ms": 1e3 * (wall - kernel_s) if gpu else None,
                 "kernels_per_step": launches, "kernels_per_layer": launches / layers if gpu and layers else None,
-                "top_kernels": top_rows, **host}
+                "top_kernels": top_rows, "top_host_ops": host_ops, **host}
     finally:
         engine.abort_request(ids)
         while engine.has_unfinished_requests():  # the step in flight (overlap) ends with the aborted requests

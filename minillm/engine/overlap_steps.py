@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..outputs import RequestOutput
 from ..sampling.device_sampler import SampledTokens, device_samplable, sample_on_device
 from ..sequence import Sequence
@@ -53,6 +55,7 @@ class OverlapSteps:
     """A mixin of LLMEngine: the overlapped step and the processing of the step in flight."""
 
     _inflight: InflightStep | None = None
+    _pinned: list[torch.Tensor] | None = None  # two pinned host buffers for sampled tokens (_sample_device)
 
     def _can_overlap(self) -> bool:
         return self.async_scheduling and not self.has_proposer and not self._host_sampled
@@ -90,9 +93,18 @@ class OverlapSteps:
         return outputs
 
     def _sample_device(self, seqs: list[Sequence], logits) -> SampledTokens:
-        """Queue the step's sampling on the GPU; each row's RNG counter counts its pending tokens too."""
+        """Queue the step's sampling on the GPU; each row's RNG counter counts its pending tokens too.
+        Two pinned buffers take turns receiving the tokens: the one written now held the tokens of two
+        steps ago, read by the time this step was launched."""
+        buffer = None
+        if logits.device.type == "cuda":
+            if self._pinned is None or self._pinned[0].numel() < len(seqs):
+                self._pinned = [torch.empty(max(len(seqs), self.config.max_num_seqs), dtype=torch.int64,
+                                            pin_memory=True) for _ in range(2)]
+            self._pinned.reverse()
+            buffer = self._pinned[0]
         return sample_on_device(logits, [s.params for s in seqs], [s.seed for s in seqs],
-                                [len(s.output_ids) + s.num_pending for s in seqs])
+                                [len(s.output_ids) + s.num_pending for s in seqs], buffer)
 
     def _count_computed(self, sched) -> list[tuple[Sequence, int, int]]:
         """_advance's counting, without naming blocks (their tokens may still be on the GPU)."""

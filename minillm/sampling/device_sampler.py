@@ -50,32 +50,44 @@ class SampledTokens:
 
 
 def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-                     steps: list[int]) -> SampledTokens:
-    """logits [R, V] fp32 -> SampledTokens; steps: each row's output position (its RNG counter)."""
+                     steps: list[int], host_buffer: torch.Tensor | None = None) -> SampledTokens:
+    """logits [R, V] fp32 -> SampledTokens; steps: each row's output position (its RNG counter).
+    host_buffer: pinned int64 memory of at least R entries to receive the tokens (the caller's, reused
+    once the tokens it held were read; default: a new one)."""
     R, V = logits.shape
+    if all(p.temperature == 0 for p in params):  # the common batch: three kernels, not ten
+        # a NaN read as -inf: a row without NaN keeps its argmax (the first +inf, if any), a broken row
+        # gets the Sampler's fallback (which also reads +inf as float32's largest number: the two differ
+        # only for a row holding a NaN, that largest finite number and, after it, +inf)
+        scores = logits.nan_to_num(nan=float("-inf"), posinf=float("inf"))  # [R, V]
+        best, tokens = scores.max(dim=-1)  # [R], [R]
+        empty = best == float("-inf")  # nothing but NaN and -inf: no token to give
+        return _to_host(torch.where(empty, 0, tokens), torch.where(empty, -1, tokens), host_buffer)
     best, tokens = logits.max(dim=-1)  # [R], [R]; a NaN row's max is NaN
-    if any(p.temperature > 0 for p in params):
-        meta = SamplingMetadata.build(params, [], [], seeds, [[]] * R, V, logits.device, steps=steps)
-        filters = (any((p.top_k > 0 and p.top_k < V) or p.top_p < 1 for p in params), any(p.min_p > 0 for p in params))
-        probs = filtered_probs(logits, meta, filters)  # [R, V]
-        race = probs / -torch.log(uniforms(meta.seeds, meta.steps, V))  # p_i / E_i
-        random_rows = meta.temperature > 0  # [R]
-        tokens = torch.where(random_rows, race.argmax(dim=-1), tokens)
-        # an overflow to inf or NaN in the filtered distribution makes a random row broken too
-        broken_random = random_rows & (probs.isnan().any(dim=-1) | ~(probs.sum(dim=-1) > 0))
-    else:
-        broken_random = torch.zeros_like(tokens, dtype=torch.bool)
+    meta = SamplingMetadata.build(params, [], [], seeds, [[]] * R, V, logits.device, steps=steps)
+    filters = (any((p.top_k > 0 and p.top_k < V) or p.top_p < 1 for p in params), any(p.min_p > 0 for p in params))
+    probs = filtered_probs(logits, meta, filters)  # [R, V]
+    race = probs / -torch.log(uniforms(meta.seeds, meta.steps, V))  # p_i / E_i
+    random_rows = meta.temperature > 0  # [R]
+    tokens = torch.where(random_rows, race.argmax(dim=-1), tokens)
+    # an overflow to inf or NaN in the filtered distribution makes a random row broken too
+    broken_random = random_rows & (probs.isnan().any(dim=-1) | ~(probs.sum(dim=-1) > 0))
     broken = ~(best > float("-inf")) | broken_random  # [R]: NaN or nothing above -inf
     # the Sampler's fallback for broken rows, computed for all: argmax of the finite scores (+inf largest)
     scores = logits.nan_to_num(nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)  # [R, V]
     fallback_best, fallback = scores.max(dim=-1)  # [R], [R]
     tokens = torch.where(broken, fallback, tokens)
     empty = fallback_best == float("-inf")  # no finite score at all: no token to give
-    next_input = torch.where(empty, 0, tokens)  # [R]: a valid id to feed; the row's request fails anyway
-    shown = torch.where(empty, -1, tokens)  # [R]
-    if logits.device.type != "cuda":
+    # [R]: a valid id to feed (the row's request fails anyway), and what the host reads
+    return _to_host(torch.where(empty, 0, tokens), torch.where(empty, -1, tokens), host_buffer)
+
+
+def _to_host(next_input: torch.Tensor, shown: torch.Tensor, host_buffer: torch.Tensor | None) -> SampledTokens:
+    """Start the copy of the tokens to pinned host memory; the event marks its end."""
+    R = shown.shape[0]
+    if shown.device.type != "cuda":
         return SampledTokens(next_input, shown, None)
-    host = torch.empty(R, dtype=torch.int64, pin_memory=True)
+    host = host_buffer[:R] if host_buffer is not None else torch.empty(R, dtype=torch.int64, pin_memory=True)
     host.copy_(shown, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()

@@ -77,7 +77,9 @@ class StepGraphs:
         self.decode_sizes, self.buckets, self.max_num_seqs = decode_sizes, buckets, max_num_seqs
         T = max([*decode_sizes, *buckets])
         S = max([*decode_sizes, *(min(max_num_seqs, t) for t in buckets)])
-        self.tokens = torch.zeros(4, T, dtype=torch.int64, device=device)  # ids, positions, slots, logits rows
+        # rows: ids, positions, slots, logits rows, and (overlap) the rows taking the last step's tokens
+        # and which of its tokens each takes
+        self.tokens = torch.zeros(6, T, dtype=torch.int64, device=device)
         self.seqs = torch.ones(2, S + 1, dtype=torch.int32, device=device)  # rows: seq_lens, cu_seqlens
         self.table = torch.zeros(S, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.logits: torch.Tensor | None = None  # [max logits rows, vocab] fp32, made by the first capture
@@ -107,21 +109,25 @@ class StepGraphs:
         return shape.seqs if shape.max_seqlen == 1 else min(shape.tokens, shape.seqs * self.logits_per_seq)
 
     def run(self, shape: Shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices,
-            patch: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+            prev: tuple[list[int], list[int], torch.Tensor] | None = None) -> torch.Tensor:
         """Copy one step's inputs (ModelRunner.prepare's lists; query_lens: new tokens per sequence;
         logits_indices: the token rows that want logits) into the buffers, padded to shape, and replay
         (capturing first if this shape is new); -> logits [len(logits_indices), vocab], valid until the
-        next run. patch(input_ids buffer): a last edit of the token ids on the device (overlap
-        scheduling fills the rows whose tokens the previous step sampled)."""
-        self._fill(shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices)
-        if patch is not None:
-            patch(self.tokens[0])
+        next run. prev = (dst rows, src rows, the previous step's sampled tokens on the device): overlap
+        scheduling's rows whose token ids only the GPU knows (chapter 13); their row numbers travel in
+        the same host-to-device copy as the ids, and two small kernels move the tokens."""
+        dst, src, prev_tokens = prev if prev is not None and prev[0] else ([], [], None)
+        self._fill(shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices, dst, src)
+        if dst:
+            P = len(dst)
+            self.tokens[0].index_copy_(0, self.tokens[4, :P], prev_tokens.index_select(0, self.tokens[5, :P]))
         step = self.steps.get(shape) or self._capture(shape)
         step()
         self.replays[shape] += 1
         return self.logits[: len(logits_indices)]
 
-    def _fill(self, shape: Shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices) -> None:
+    def _fill(self, shape: Shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices,
+              dst: list[int] = (), src: list[int] = ()) -> None:
         T, S = len(ids), len(seq_lens)
         tp, sp = shape.tokens, shape.seqs
         cu = [0]
@@ -131,7 +137,9 @@ class StepGraphs:
         cu += range(T + 1, T + 1 + sp - S) if shape.max_seqlen == 1 else [T] * (sp - S)
         pad_t = tp - T
         rows = logits_indices + [0] * (tp - len(logits_indices))  # padding rows read token 0, never used
-        host_tokens = torch.tensor([ids + [0] * pad_t, pos + [0] * pad_t, slots + [-1] * pad_t, rows])  # [4, tp]
+        pad_p = [0] * (tp - len(dst))
+        host_tokens = torch.tensor([ids + [0] * pad_t, pos + [0] * pad_t, slots + [-1] * pad_t, rows,
+                                    [*dst, *pad_p], [*src, *pad_p]])  # [6, tp]
         host_seqs = torch.tensor([seq_lens + [1] * (sp - S + 1), cu], dtype=torch.int32)  # [2, sp + 1]
         width = len(table[0])
         host_table = torch.tensor(table + [[0] * width] * (sp - S), dtype=torch.int32)  # [sp, width]

@@ -85,13 +85,15 @@ class ModelRunner:
         per sequence, one per draft token). prev_tokens: the previous step's sampled tokens on the
         device, for the rows step.prev_token_dst names (overlap scheduling)."""
         self.bind()
+        if step.prev_token_dst and prev_tokens is None:
+            raise ValueError("this step takes tokens sampled by the previous one, but none were given")
         graphs = self._live_graphs()
         shape = (graphs.shape_for(step.num_tokens, len(step.query_lens), len(step.logits_indices))
                  if graphs is not None else None)
         if shape is not None:
             return graphs.run(shape, step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
                               step.block_table, step.query_lens, step.logits_indices,
-                              lambda ids: take_prev_tokens(ids, step, prev_tokens))
+                              (step.prev_token_dst, step.prev_token_src, prev_tokens))
         return forward_packed(self.model, self.device, step, prev_tokens)
 
     def bind(self) -> None:
