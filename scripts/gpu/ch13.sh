@@ -2,13 +2,15 @@
 # Chapter 13 on the GPU machine, in two calls back to back (the embedded model travels in two halves):
 #
 #   call A, carry [.gpu/model-a, .gpu/min]:  bash scripts/gpu/ch13.sh A   (dummy-weight benchmarks)
-#   call B, carry [.gpu/model-b, .gpu/nb]:   bash scripts/gpu/ch13.sh B   (GPU tests, notebook 13)
+#   call B, carry [.gpu/model-b, .gpu/nb]:   bash scripts/gpu/ch13.sh B   (GPU tests: TESTS="...")
+#   call C, on the same warm machine:        bash scripts/gpu/ch13.sh C   (notebooks: NOTEBOOKS="...")
 #
 # .gpu/min holds the gguf wheel, .gpu/nb the Jupyter stack too (../shared/tools/gpu-wheelhouse.sh, then
 # copy). Logs and JSON go to $OUT; each part runs under `timeout` so the script always ends with a tar.
 set -uo pipefail
 SITE=/tmp/minillm-site MODEL=/root/minillm-model/SmolLM2-135M-Instruct.Q4_1.gguf
 export PYTHONPATH=$SITE PATH=$SITE/bin:$PATH MINILLM_MODEL=$MODEL PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export MINILLM_COMMIT=${COMMIT:-unknown}  # what a notebook header records (the tree here has no .git)
 part=$1; out=${OUT:?}; mkdir -p "$out"
 install() {
   python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE "$1"/*.whl
@@ -23,18 +25,25 @@ case "$part" in
     python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
     echo "commit ${COMMIT:-unknown}, $(date -u +%F)" | tee -a "$out/gpu.txt"
     for m in smollm2-135m qwen3-0.6b; do
-      run "latency-$m" 150 python3 -m minillm bench latency --model $m-dummy --no-hf --json "$out/latency-$m.json"
+      run "latency-$m" 240 python3 -m minillm bench latency --model $m-dummy --json "$out/latency-$m.json"
+    done
+    run latency-llama-3-8b 150 python3 -m minillm bench latency --model llama-3-8b-dummy --no-hf --json "$out/latency-llama-3-8b.json"
+    for m in smollm2-135m qwen3-0.6b; do
+      run "throughput-$m" 120 python3 -m minillm bench throughput --model $m-dummy --no-hf --json "$out/throughput-$m.json"
     done
     run profile-smollm2 150 python3 -m minillm bench profile --model smollm2-135m-dummy --batch-sizes 1,64,256 --json "$out/profile-smollm2.json"
-    run throughput-qwen3-0.6b 150 python3 -m minillm bench throughput --model qwen3-0.6b-dummy --no-hf --json "$out/throughput-qwen3-0.6b.json"
     ;;
   B)
     install .gpu/nb
     cat .gpu/model-b >> "$MODEL.part" && mv "$MODEL.part" "$MODEL" && ls -la "$MODEL"
     python3 -m ipykernel install --user --name python3 >/dev/null 2>&1
-    run pytest-gpu 420 python3 -m pytest tests/test_overlap.py tests/test_engine.py tests/test_engine_robust.py \
-        tests/test_bench_serving.py tests/test_spec_engine.py -q -n 8 -rfEs -p no:cacheprovider
-    for nb in ${NOTEBOOKS:-}; do run "nb-$(basename $nb .ipynb)" 300 python3 -m minillm.nbrun "$nb"; cp "$nb" "$out/"; done
+    run pytest-gpu "${TEST_LIMIT:-420}" python3 -m pytest ${TESTS:-tests/test_overlap.py tests/test_engine.py tests/test_spec_engine.py} \
+        -q -n 8 -rfEs -p no:cacheprovider
+    ;;
+  C)
+    for nb in ${NOTEBOOKS:-notebooks/13_fast_path.ipynb}; do
+      run "nb-$(basename $nb .ipynb)" 300 python3 -m minillm.nbrun "$nb"; cp "$nb" "$out/"
+    done
     ;;
 esac
 cd "$out" && tar czf "results-$part.tgz" --exclude='*.tgz' . && find . -type f ! -name '*.tgz' -delete; ls -la
