@@ -81,7 +81,8 @@ def engine_for(model, warm: bool = False, **kw) -> LLMEngine:
     """An engine over `model` (no EOS: every request here runs to its max_tokens or its stop rule).
     warm: on a GPU, capture the CUDA graphs of its steps with prompt tokens now (LLMEngine.warm_up,
     one per token bucket), so that no capture lands inside a timed run."""
-    engine = LLMEngine(model, tok, [], EngineConfig(**kw), progress=False)
+    kw.setdefault("async_scheduling", False)  # this chapter's engine: the host waits for each step's tokens
+    engine = LLMEngine(model, tok, [], EngineConfig(**kw), progress=False)  # (chapter 13 overlaps them)
     if warm and engine.runner.graphs is not None:
         engine.warm_up()
     return engine
@@ -465,7 +466,8 @@ plt.show()
 # Where one decode step's time goes, from `minillm.bench.serving.profile_decode_step`: on a GPU
 # the sum of the kernels' durations (torch.profiler) against the step's wall time — the difference
 # is the GPU waiting for the host — and, in a second pass, the host's time by phase (scheduling,
-# packing inputs, the forward pass up to the GPU finishing it, sampling, the rest).
+# packing inputs, launching the forward pass, sampling, the rest). The engines here run without
+# chapter 13's overlap scheduling, so the host waits for each step's tokens.
 
 # %%
 prof_batches = nb.pick(cpu=[1], gpu=[1, 64])
@@ -474,7 +476,7 @@ profiles = [{"mode": m, **profile_decode_step(eng, b, steps=nb.pick(cpu=3, gpu=1
 for eng in engines.values():
     eng.shutdown()
 del engines
-phases = ["schedule_ms", "prepare_ms", "model_ms", "sample_ms", "other_ms"]
+phases = ["schedule_ms", "prepare_ms", "launch_ms", "sample_ms", "other_ms"]
 cols = ["mode", "batch_size", "wall_ms", "gpu_kernel_ms", "gap_ms", *phases]
 print_table([{k: p[k] for k in cols} for p in profiles], title="one decode step, profiled (medians over steps)")
 if not nb.on_gpu():
