@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tp_utils import run_ranks
+from tp_utils import BACKEND, rank_device, run_ranks, skip_without_devices
 
 import minillm.distributed as tp
 
@@ -17,9 +17,9 @@ def _inputs(seed: int, world_size: int) -> list[torch.Tensor]:
 
 
 def _collectives(rank: int, world_size: int, seed: int) -> None:
-    xs = _inputs(seed, world_size)
+    xs = [x.to(rank_device(rank)) for x in _inputs(seed, world_size)]
     assert (tp.get_tensor_model_parallel_rank(), tp.get_tensor_model_parallel_world_size()) == (rank, world_size)
-    assert tp.get_tp_group().backend == "gloo" and tp.model_parallel_is_initialized()
+    assert tp.get_tp_group().backend == BACKEND and tp.model_parallel_is_initialized()
 
     total = sum(xs[1:], xs[0].clone())
     y = tp.tensor_model_parallel_all_reduce(xs[rank].clone())
@@ -39,8 +39,9 @@ def _collectives(rank: int, world_size: int, seed: int) -> None:
     z = xs[rank].clone()
     assert torch.equal(tp.broadcast(z, src=world_size - 1), xs[-1])
     assert tp.get_tp_group().broadcast_object({"step": rank}, src=0) == {"step": 0}
-    ints = torch.arange(4) + rank  # integer tensors (token ids) sum exactly
-    assert torch.equal(tp.tensor_model_parallel_all_reduce(ints), world_size * torch.arange(4) + sum(range(world_size)))
+    ints = torch.arange(4, device=z.device) + rank  # integer tensors (token ids) sum exactly
+    want = world_size * torch.arange(4, device=z.device) + sum(range(world_size))
+    assert torch.equal(tp.tensor_model_parallel_all_reduce(ints), want)
 
 
 def _emulated_all_gather(rank: int, world_size: int, xs: list[torch.Tensor]) -> None:
@@ -54,7 +55,7 @@ def _emulated_all_gather(rank: int, world_size: int, xs: list[torch.Tensor]) -> 
 
 def _all(rank: int, world_size: int, seed: int) -> None:
     _collectives(rank, world_size, seed)
-    _emulated_all_gather(rank, world_size, _inputs(seed, world_size))
+    _emulated_all_gather(rank, world_size, [x.to(rank_device(rank)) for x in _inputs(seed, world_size)])
 
 
 @pytest.mark.slow
@@ -62,6 +63,7 @@ def _all(rank: int, world_size: int, seed: int) -> None:
 def test_collectives_on_a_gloo_group(world_size, seed):
     """Each process: all-reduce, all-gather (both dims), gather to rank 0, tp.broadcast (tensor and
     object), then all-gather and gather again through the emulation gloo needs for CUDA tensors."""
+    skip_without_devices(world_size)
     run_ranks(_all, world_size, seed, timeout=180)
 
 

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from tiny_models import VOCAB, make_tiny
-from tp_utils import run_ranks
+from tp_utils import rank_device, run_ranks, skip_without_devices
 
 from minillm.cache import KVCache
 from minillm.distributed import broadcast, get_tensor_model_parallel_world_size
@@ -50,21 +50,22 @@ def _prompts(seed: int, vocab: int) -> list[list[int]]:
 def run_model(model, prompts: list[list[int]], steps: int) -> dict:
     """The same work on every rank: packed prefill logits (no cache), then greedy decode with a cache.
     -> rank 0: {"logits", "tokens", "margins"}; other ranks: the logits they saw (None)."""
+    device = next(model.parameters()).device
     lens = [len(p) for p in prompts]
-    ids = torch.tensor([t for p in prompts for t in p])
-    pos = torch.cat([torch.arange(n) for n in lens])
-    prefill = model.compute_logits(model(ids, pos, AttentionMetadata.from_seq_lens(lens)))  # [T, V] or None
+    ids = torch.tensor([t for p in prompts for t in p], device=device)
+    pos = torch.cat([torch.arange(n, device=device) for n in lens])
+    prefill = model.compute_logits(model(ids, pos, AttentionMetadata.from_seq_lens(lens, device)))  # [T, V] or None
 
     seqs = [SimpleNamespace(token_ids=list(p)) for p in prompts]
     cache = KVCache.for_model(model, len(seqs), max(lens) + steps)
     cache.bind(model)
     slots, done, margins, seen = [cache.allocate() for _ in seqs], [0] * len(seqs), [], []
     for _ in range(steps):
-        ids, pos, meta = prepare_inputs(seqs, slots, done, cache, "cpu")
+        ids, pos, meta = prepare_inputs(seqs, slots, done, cache, device)
         logits = model.compute_logits(model(ids, pos, meta)[meta.last_token_indices])  # [num_seqs, V] on rank 0
         seen.append(logits)
         done = [len(s.token_ids) for s in seqs]
-        nxt = torch.zeros(len(seqs), dtype=torch.long)
+        nxt = torch.zeros(len(seqs), dtype=torch.long, device=device)
         if logits is not None:
             top2 = logits.topk(2, dim=-1).values  # [num_seqs, 2]
             margins.append((top2[:, 0] - top2[:, 1]).min().item())
@@ -75,11 +76,11 @@ def run_model(model, prompts: list[list[int]], steps: int) -> dict:
     cache.unbind(model)
     if prefill is None:
         return {"prefill": None, "decode": seen}
-    return {"logits": prefill, "tokens": [s.token_ids[len(p):] for s, p in zip(seqs, prompts)], "margins": margins}
+    return {"logits": prefill.cpu(), "tokens": [s.token_ids[len(p):] for s, p in zip(seqs, prompts)], "margins": margins}
 
 
 def _rank(rank: int, world_size: int, folder: str, prompts, out_dir: str) -> None:
-    model, config, _ = load_model(folder, tokenizer=False)
+    model, config, _ = load_model(folder, tokenizer=False, device=rank_device(rank))
     tp = get_tensor_model_parallel_world_size()
     layer = model.model.layers[0]
     # this rank holds its shard only
@@ -93,10 +94,11 @@ def _rank(rank: int, world_size: int, folder: str, prompts, out_dir: str) -> Non
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp_logits_and_greedy_tokens_equal_tp1(case, seed, tmp_path):
     family, tp, changes = CASES[case]
+    skip_without_devices(tp)
     folder = make_tiny(family, tmp_path / family, **changes)
     vocab = changes.get("vocab_size", VOCAB)
     prompts = _prompts(seed, vocab)
-    model, _, _ = load_model(folder, tokenizer=False)
+    model, _, _ = load_model(folder, tokenizer=False, device=rank_device(0))
     ref = run_model(model, prompts, STEPS)  # tp = 1, in this process
 
     run_ranks(_rank, tp, str(folder), prompts, str(tmp_path), timeout=300)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -50,3 +51,9 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> None:
             if p.is_alive():
                 os.kill(p.pid, 9)
                 p.join()
+
+
+def skip_without_devices(world_size: int) -> None:
+    """Under NCCL each rank needs its own GPU: a size the machine cannot host is skipped, and says why."""
+    if BACKEND == "nccl" and torch.cuda.device_count() < world_size:
+        pytest.skip(f"NCCL with {world_size} ranks needs {world_size} GPUs; {torch.cuda.device_count()} visible")
