@@ -4,11 +4,19 @@ and the group's functions are the ones the layers call (minillm.distributed)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from tp_utils import BACKEND, rank_device, run_ranks, skip_without_devices
 
 import minillm.distributed as tp
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _inputs(seed: int, world_size: int) -> list[torch.Tensor]:
@@ -100,3 +108,21 @@ def test_one_rank_group_from_torchrun_variables(monkeypatch):
     finally:
         tp.destroy_distributed_environment()
     assert not tp.model_parallel_is_initialized()
+
+
+@pytest.mark.slow
+def test_torchrun_starts_a_group_from_its_environment(tmp_path):
+    """`torchrun --nproc-per-node 2` (torch.distributed.run) on the all-reduce sweep's dry run: each
+    rank joins through RANK/WORLD_SIZE/MASTER_* alone, checks one all-reduce against its known sum,
+    and rank 0 writes the timings."""
+    out = tmp_path / "sweep.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "scripts" / "gpu" / "allreduce_sweep.py"), "--backend", "gloo", "--device", "cpu",
+           "--max-sizes", "3", "--iters", "5", "--repeats", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["meta"]["world_size"] == 2 and result["meta"]["backend"] == "gloo"
+    assert [r["bytes"] for r in result["rows"]] == [8192, 16384, 32768]
+    assert all(r["eager_s"] > 0 and "graph_s" not in r for r in result["rows"])  # no graphs on a CPU
