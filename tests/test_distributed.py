@@ -25,6 +25,7 @@ def _inputs(seed: int, world_size: int) -> list[torch.Tensor]:
 
 
 def _collectives(rank: int, world_size: int, seed: int) -> None:
+    tp.get_tp_group().warm_up()  # what a worker runs before capturing CUDA graphs
     xs = [x.to(rank_device(rank)) for x in _inputs(seed, world_size)]
     assert (tp.get_tensor_model_parallel_rank(), tp.get_tensor_model_parallel_world_size()) == (rank, world_size)
     assert tp.get_tp_group().backend == BACKEND and tp.model_parallel_is_initialized()

@@ -110,6 +110,22 @@ class GroupCoordinator:
         if self.world_size > 1:
             dist.barrier(group=self.cpu_group)
 
+    def warm_up(self) -> None:
+        """Run each collective the layers use once, on a small tensor, and check the sum. NCCL builds
+        its communicators at the first collective, which must not be inside a CUDA graph capture:
+        call this on every rank before capturing."""
+        if self.world_size == 1:
+            return
+        x = torch.full((8,), float(self.rank + 1), device=self.device)
+        total = self.world_size * (self.world_size + 1) / 2
+        if not bool((self.all_reduce(x.clone()) == total).all()):
+            raise RuntimeError(f"rank {self.rank}: the warm-up all-reduce did not sum the ranks")
+        self.all_gather(x)
+        self.gather(x)
+        self.broadcast(x.clone())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
 
 class SimulatedGroup(GroupCoordinator):
     """One process playing rank `rank` of `world_size` (no communication): the layers build and load
@@ -132,6 +148,9 @@ class SimulatedGroup(GroupCoordinator):
         return obj
 
     def barrier(self):
+        pass
+
+    def warm_up(self):
         pass
 
 
