@@ -9,8 +9,8 @@ split across GPUs are decided, so that a model file only says which layers it ha
 
 A Llama MLP is column-parallel up (gate_up_proj), row-parallel down (down_proj): the activation
 between them stays split, and one all-reduce per block joins the ranks (Megatron-LM's pattern).
-The tensor-parallel size is 1 until chapter 11 (minillm/distributed.py); the splits and the reduce
-are already where they will be.
+The tensor-parallel size and the collectives come from minillm/distributed/ (chapter 11); with one
+rank the splits take everything and the reduce is the identity.
 
 Each layer asks its quant_method (layers/quantization/) to create its parameters and to multiply:
 unquantized that is one [out, in] weight and F.linear. Each parameter's `weight_loader` copies a
@@ -108,7 +108,8 @@ class ColumnParallelLinear(LinearBase):
 
     def _partition_sizes(self) -> list[int]:
         """This rank's output features of each stacked part."""
-        return [divide(s, self.tp_size) for s in self.output_sizes]
+        name = self.prefix or type(self).__name__
+        return [divide(s, self.tp_size, f"the {s} output features of {name}") for s in self.output_sizes]
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
         # this rank's slice of a whole (unstacked) checkpoint tensor
@@ -158,13 +159,17 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int | None = None,
                  bias: bool = False, quant_config: QuantizationConfig | None = None, prefix: str = ""):
         total_num_kv_heads = total_num_kv_heads or total_num_heads
-        tp = get_tensor_model_parallel_world_size()
+        tp, name = get_tensor_model_parallel_world_size(), prefix or "QKVParallelLinear"
         self.head_size = head_size
-        self.num_heads = divide(total_num_heads, tp)
+        self.num_heads = divide(total_num_heads, tp, f"the {total_num_heads} query heads of {name}")
         if tp >= total_num_kv_heads:  # every rank needs a whole KV head: replicate
-            self.num_kv_heads, self.num_kv_head_replicas = 1, divide(tp, total_num_kv_heads)
+            if tp % total_num_kv_heads:
+                raise ValueError(f"tensor_parallel_size {tp} is neither a divisor nor a multiple of the "
+                                 f"{total_num_kv_heads} KV heads of {name} (each rank needs whole KV heads)")
+            self.num_kv_heads, self.num_kv_head_replicas = 1, tp // total_num_kv_heads
         else:
-            self.num_kv_heads, self.num_kv_head_replicas = divide(total_num_kv_heads, tp), 1
+            self.num_kv_heads = divide(total_num_kv_heads, tp, f"the {total_num_kv_heads} KV heads of {name}")
+            self.num_kv_head_replicas = 1
         q, kv = total_num_heads * head_size, total_num_kv_heads * head_size
         super().__init__(hidden_size, [q, kv, kv], bias, False, quant_config, prefix)
         self.shard_ids = ("q", "k", "v")
@@ -194,7 +199,8 @@ class RowParallelLinear(LinearBase):
                  reduce_results: bool = True, quant_config: QuantizationConfig | None = None, prefix: str = ""):
         super().__init__(input_size, output_size, bias, quant_config, prefix)
         self.input_is_parallel, self.reduce_results = input_is_parallel, reduce_results
-        self._create(divide(input_size, self.tp_size), [output_size])
+        name = prefix or type(self).__name__
+        self._create(divide(input_size, self.tp_size, f"the {input_size} input features of {name}"), [output_size])
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
         dim = getattr(param, "input_dim", None)

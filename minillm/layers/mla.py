@@ -39,6 +39,7 @@ from torch import nn
 
 from ..cache.spec import KVCacheSpec
 from ..config import ModelConfig
+from ..distributed import get_tensor_model_parallel_world_size
 from ..kernels import mla_decode as _kernel
 from .attention import AttentionMetadata
 from .backend import use_triton
@@ -141,6 +142,9 @@ class MultiHeadLatentAttention(nn.Module):
 
     def __init__(self, config: ModelConfig, quant_config=None, prefix: str = ""):
         super().__init__()
+        if (tp := get_tensor_model_parallel_world_size()) > 1:  # num_heads below is global, not per rank
+            raise ValueError(f"latent attention (MLA, {prefix or 'MultiHeadLatentAttention'}) runs at "
+                             f"tensor_parallel_size 1 only, not {tp} (its heads are not split across ranks yet)")
         mla, H = config.mla, config.num_heads
         self.num_heads, self.L, self.R = H, mla.kv_lora_rank, mla.qk_rope_head_dim
         self.P, self.V, self.interleave = mla.qk_nope_head_dim, mla.v_head_dim, mla.rope_interleave

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig, MoEConfig
+from ..distributed import get_tensor_model_parallel_world_size
 from ..kernels import fused_moe as _kernel
 from .backend import use_triton
 from .linear import ReplicatedLinear, copy_checked
@@ -113,6 +114,9 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ckpt_prefix: str = "experts",
                  ckpt_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
         super().__init__()
+        if (tp := get_tensor_model_parallel_world_size()) > 1:  # whole experts per rank, and no all-reduce
+            raise ValueError(f"routed experts (FusedMoE, {ckpt_prefix}) run at tensor_parallel_size 1 only, not {tp} "
+                             f"(their intermediate size is not split across ranks yet)")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
 
         def shards(which: tuple[str, ...]):

@@ -4,9 +4,10 @@
                             token outside its range looks up zeros, and the all-reduce sums the ranks'
                             rows into the one real embedding
     ParallelLMHead          the same split: each rank computes the logits of its own vocabulary slice,
-                            gathered into [N, V] (or the embedding's own table, when tied)
+                            gathered into [N, V] on rank 0 only, the rank that samples (the table may
+                            be the embedding's own, when tied)
 
-With one rank (until chapter 11) both are a plain table: F.embedding and F.linear.
+With one rank both are a plain table: F.embedding and F.linear.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from torch import nn
 from ..distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
-    tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
+    tensor_model_parallel_gather,
 )
 from .linear import copy_checked
 from .quantization import QuantizationConfig, UnquantizedEmbeddingMethod
@@ -40,8 +41,10 @@ class VocabParallelEmbedding(nn.Module):
         self.quant_method.create_weights(self, per_rank, embedding_dim, torch.get_default_dtype(), self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        if self.tp_size > 1:  # this rank's rows; the overhang of the last rank stays as it is
+        if self.tp_size > 1:  # this rank's rows; the overhang of the last rank is zeros (never looked up, and
+            # its logits are cut off, but a quantizer that scales the whole table must not see garbage)
             loaded_weight = loaded_weight[self.vocab_start : self.vocab_end]
+            param.data[loaded_weight.shape[0]:].zero_()
             return copy_checked(param.data[: loaded_weight.shape[0]], loaded_weight)
         copy_checked(param.data, loaded_weight)
 
@@ -57,7 +60,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """hidden [N, hidden] -> logits [N, vocab] (this rank's slice, gathered)."""
+    """hidden [N, hidden] -> logits [N, vocab] on rank 0 (each rank's slice, gathered there); None on
+    the other ranks, which only sample through rank 0 (nano-vllm and vLLM gather the same way)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, quant_config: QuantizationConfig | None = None,
                  prefix: str = ""):
@@ -73,10 +77,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.quant_method = embed_tokens.quant_method
         return self
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.quant_method.apply(self, hidden)  # [N, V / tp]
-        logits = tensor_model_parallel_all_gather(logits)  # [N, V (+ overhang)]
-        return logits[..., : self.num_embeddings]
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.quant_method.apply(self, hidden)  # [N, ceil(V / tp)]
+        logits = tensor_model_parallel_gather(logits, dst=0)  # [N, V (+ overhang)] on rank 0, else None
+        return None if logits is None else logits[..., : self.num_embeddings]
 
     def forward(self, *args):
         raise RuntimeError("the LM head is applied through compute_logits(hidden), not called")

@@ -152,8 +152,9 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> hidden states [T, hidden] (logits only where they are needed)."""
         return self.model(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden).float()  # [N, vocab], fp32 for the sampler
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.lm_head.compute_logits(hidden)  # [N, vocab] on rank 0; None on the others under TP
+        return None if logits is None else logits.float()  # fp32 for the sampler
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy (name, tensor) pairs in Hugging Face naming into the model; returns what was filled.
