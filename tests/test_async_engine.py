@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import random
 import signal
 import threading
@@ -345,3 +346,41 @@ def test_frames_arrive_whole_over_many_reads(seed):
     writer.join()
     os.close(r)
     assert got == messages and not reader.buf and reads > 1
+
+
+def test_core_rows_only_what_a_step_can_change(folder, oracle, seed):
+    """EngineCore with 2 sequences running and 8 requests held: each pass makes rows for the running
+    and just-finished requests only (at most 2 looked at per pass, not all 8 held), and the rows put
+    back together are LLM.generate's tokens."""
+    from minillm.engine import engine_core
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 300) for _ in range(rng.randint(2, 6))] for _ in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    engine = LLM(str(folder), device="cpu", max_num_seqs=2).engine
+    commands = queue.Queue()
+    for i, ids in enumerate(prompts):
+        commands.put(("add", f"r{i}", ids, params, 0.0))
+    commands.put(("stop", False))
+    looked, per_pass, tokens = [0], [], {}
+    row = engine_core._Tracked.row
+
+    def counted(self):
+        looked[0] += 1
+        return row(self)
+
+    def publish(rows, load):
+        per_pass.append(looked[0])
+        looked[0] = 0
+        for rid, _, error, _, outs in rows:
+            assert error is None
+            tokens[rid] = tokens.get(rid, []) + [t for o in outs for t in o[2]]
+
+    engine_core._Tracked.row = counted
+    try:
+        assert engine_core.EngineCore(engine, commands, publish).run() is None
+    finally:
+        engine_core._Tracked.row = row
+    want = oracle.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert tokens == {f"r{i}": w.outputs[0].token_ids for i, w in enumerate(want)}
+    assert max(per_pass) <= 2 and len(per_pass) >= 8 * 5 // 2
