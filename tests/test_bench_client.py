@@ -98,7 +98,7 @@ def _requests(n: int) -> list[BenchRequest]:
     return [BenchRequest([1, 2, 3], 3, PROBE_TOKENS + 1 + i % 5) for i in range(n)]
 
 
-@pytest.mark.parametrize("in_process", [False, True])
+@pytest.mark.parametrize("in_process", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_burst_reaches_the_server_at_once(in_process):
     """128 requests at rate inf: all in the server at once, within 2 s (the aiohttp client: 0.1 s on a
     loaded 2-core machine; httpx 0.27's pool, this client before: 6 s for 96, and for 256 it failed
@@ -139,7 +139,14 @@ def test_refused_key_and_dead_port_are_clear_errors():
         asyncio.run(run_requests(dead, _requests(1), progress=False))
     with pytest.raises(ServerError, match="did not answer a test request"):
         asyncio.run(run_requests(dead, _requests(1), model="m", progress=False))
-    # from the command line: one line on stderr, exit status 2, no traceback
+
+
+@pytest.mark.slow
+def test_dead_port_from_the_command_line():
+    """One line on stderr, exit status 2, no traceback."""
+    from serve_utils import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
     proc = subprocess.run([sys.executable, "-m", "minillm", "bench", "serve", "--base-url", dead, "--workload",
                            "prompts", "--num-prompts", "1", "--model", "m", "--no-progress"],
                           capture_output=True, text=True, timeout=120)
