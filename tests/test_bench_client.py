@@ -152,3 +152,13 @@ def test_dead_port_from_the_command_line():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith("minillm: error: the server at") and "did not answer" in proc.stderr
+
+
+def test_serve_loop_bench_runs_and_loses_nothing():
+    """`python -m minillm.bench.serve_loop` at a tiny size: every stream gets every token (it asserts
+    that itself), at each lag, and the cost per token is a positive number."""
+    from minillm.bench.serve_loop import run
+
+    rows = run(streams=3, tokens=9, behind=(1, 4), repeat=1)
+    assert [r["steps behind"] for r in rows] == [1, 4]
+    assert all(r["loop CPU us/token"] > 0 and r["tokens"] == 27 for r in rows)

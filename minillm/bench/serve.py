@@ -18,7 +18,12 @@ Workloads:
              default, the questions in prompts.txt beside this file; --max-tokens each
 
 Arrivals: --request-rate per second (inf: all at once), gaps from Gamma(--burstiness) (1: Poisson);
---max-concurrency caps the requests in flight. One untimed request first checks the server answers.
+--max-concurrency caps the requests in flight. One untimed request first checks the server answers;
+a server that cannot be reached, refuses the key or fails it is a ServerError (one line, no traceback).
+
+The client is aiohttp with one session for the run (as vLLM's and SGLang's benchmarks): a burst at
+rate inf is on the wire at once, each request on a connection of its own (see `session`). It runs
+on uvloop when installed; run_requests_in_process runs it in a process of its own.
 """
 
 from __future__ import annotations
