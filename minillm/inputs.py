@@ -9,10 +9,12 @@ def prompt_ids(tokenizer, vocab_size: int, prompt, name: str = "prompt") -> tupl
     """A str (tokenized) or {"prompt_token_ids": [...]} -> (text or None, token ids)."""
     if isinstance(prompt, dict):
         ids = prompt.get("prompt_token_ids")
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        # by distinct type, then min and max: loops in C (a server checks every id of every request)
+        types = set(map(type, ids)) if isinstance(ids, list) else {None}
+        if bool in types or not all(isinstance(t, type) and issubclass(t, int) for t in types):
             raise TypeError(f"{name}['prompt_token_ids'] must be a list of ints")
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
             raise ValueError(f"{name} has token ids outside the vocabulary (0..{vocab_size - 1}): {bad[:5]}")
         text = None
     elif isinstance(prompt, str):

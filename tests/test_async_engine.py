@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import random
 import signal
 import threading
@@ -20,9 +21,8 @@ import torch
 from serve_utils import CONTEXT, engine_factory, failing_steps, no_model
 
 from minillm import LLM, SamplingParams
-from minillm.engine.async_llm_engine import AsyncLLMEngine, EngineNotReady, FinishedStats, coalesce
+from minillm.engine.async_llm_engine import AsyncLLMEngine, EngineNotReady, FinishedStats, outputs_of
 from minillm.engine.core_process import FrameReader, write_frame
-from minillm.outputs import CompletionOutput, RequestOutput
 
 CORES = ["thread", "process"]
 
@@ -275,41 +275,48 @@ async def _all(stream):
     return [d async for d in stream]
 
 
-def test_coalesce_keeps_every_stream(seed):
-    """Random deltas of random requests and choices, coalesced over random windows (a reader that
-    fell behind), put back together equal the deltas put back together one by one."""
+def test_rows_merged_keep_every_stream(seed):
+    """Random rows of random requests and choices (as the core sends them), read over random windows
+    (a reader that fell behind), put back together equal the rows read one by one; a window gives one
+    output per request, with its last row's end."""
     rng = random.Random(seed)
-    deltas = []
+    rows = []
     for step in range(40):
         for rid in rng.sample(["a", "b", "c"], rng.randint(1, 3)):
-            outs = [CompletionOutput(i, rng.choice(["x", "yz", "", " é"]), [rng.randrange(100)],
-                                     logprobs=[{step: step}] if rid == "c" else None)
+            outs = [(i, rng.choice(["x", "yz", "", " é"]), [rng.randrange(100)], -float(step) if rid == "c" else None,
+                     [{step: step}] if rid == "c" else None, None, None)
                     for i in sorted(rng.sample(range(3), rng.randint(1, 3)))]
-            deltas.append(RequestOutput(rid, None, [1], outs, finished=False))
-    deltas[-1].finished, deltas[-1].outputs[-1].finish_reason = True, "length"
+            rows.append((rid, False, None, None, outs))
+    last = rows[-1]
+    rows[-1] = (last[0], True, None, "stats", last[4][:-1] + [last[4][-1][:5] + ("length", None)])
+    prompts = {"a": [1], "b": [2, 3], "c": [4]}
 
     def put_together(batches):
-        text, ids, lps, ends = {}, {}, {}, {}
+        text, ids, lps, ends, cums = {}, {}, {}, {}, {}
         for batch in batches:
             assert len({d.request_id for d in batch}) == len(batch)
             for d in batch:
-                ends[d.request_id] = d.finished
+                assert d.prompt_token_ids == prompts[d.request_id]
+                ends[d.request_id] = (d.finished, d.metrics)
                 for o in d.outputs:
                     key = (d.request_id, o.index)
                     text[key] = text.get(key, "") + o.text
                     ids[key] = ids.get(key, []) + o.token_ids
                     lps[key] = lps.get(key, []) + (o.logprobs or [])
+                    cums[key] = o.cumulative_logprob
                     if o.finish_reason:
                         ends[key] = o.finish_reason
-        return text, ids, lps, ends
+        return text, ids, lps, ends, cums
 
     windows, i = [], 0
-    while i < len(deltas):
+    while i < len(rows):
         n = rng.randint(1, 12)
-        windows.append(coalesce(deltas[i : i + n]))
+        windows.append(outputs_of(rows[i : i + n], prompts.get))
         i += n
-    assert put_together(windows) == put_together([[d] for d in deltas])
-    assert sum(map(len, windows)) < len(deltas)
+    one_by_one = [outputs_of([r], prompts.get) for r in rows]
+    assert put_together(windows) == put_together(one_by_one)
+    assert sum(map(len, windows)) < len(rows)
+    assert put_together(one_by_one)[3][last[0]] == (True, "stats")
 
 
 def test_frames_arrive_whole_over_many_reads(seed):
@@ -339,3 +346,41 @@ def test_frames_arrive_whole_over_many_reads(seed):
     writer.join()
     os.close(r)
     assert got == messages and not reader.buf and reads > 1
+
+
+def test_core_rows_only_what_a_step_can_change(folder, oracle, seed):
+    """EngineCore with 2 sequences running and 8 requests held: each pass makes rows for the running
+    and just-finished requests only (at most 2 looked at per pass, not all 8 held), and the rows put
+    back together are LLM.generate's tokens."""
+    from minillm.engine import engine_core
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 300) for _ in range(rng.randint(2, 6))] for _ in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    engine = LLM(str(folder), device="cpu", max_num_seqs=2).engine
+    commands = queue.Queue()
+    for i, ids in enumerate(prompts):
+        commands.put(("add", f"r{i}", ids, params, 0.0))
+    commands.put(("stop", False))
+    looked, per_pass, tokens = [0], [], {}
+    row = engine_core._Tracked.row
+
+    def counted(self):
+        looked[0] += 1
+        return row(self)
+
+    def publish(rows, load):
+        per_pass.append(looked[0])
+        looked[0] = 0
+        for rid, _, error, _, outs in rows:
+            assert error is None
+            tokens[rid] = tokens.get(rid, []) + [t for o in outs for t in o[2]]
+
+    engine_core._Tracked.row = counted
+    try:
+        assert engine_core.EngineCore(engine, commands, publish).run() is None
+    finally:
+        engine_core._Tracked.row = row
+    want = oracle.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert tokens == {f"r{i}": w.outputs[0].token_ids for i, w in enumerate(want)}
+    assert max(per_pass) <= 2 and len(per_pass) >= 8 * 5 // 2

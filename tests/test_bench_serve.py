@@ -70,6 +70,12 @@ def test_summary_and_goodput_by_hand():
     # SLO 500 ms TTFT, 150 ms TPOT: fast and one_token meet both; slow_first misses TTFT, no_usage TPOT
     assert s["goodput"] == pytest.approx(2 / 5) == goodput(results, (500, 150), 5.0)
     assert goodput(results, (1000, 500), 5.0) == pytest.approx(4 / 5)
+    assert s["tpot_unmeasured"] == 0
+    # a whole 5-token answer in one chunk: no time between tokens was seen, so no TPOT (not 0), counted
+    one_chunk = RequestResult(5.0, [5.3], output_tokens=5, prompt_tokens=2, success=True)
+    s2 = summarize([fast, one_chunk], duration=5.0)
+    assert s2["tpot_unmeasured"] == 1 and s2["mean_tpot_ms"] == pytest.approx(100)
+    assert s2["total_output_tokens"] == 8 and s2["mean_ttft_ms"] == pytest.approx((100 + 300) / 2)
 
 
 def test_parse_slo():
@@ -183,7 +189,7 @@ def test_cli_chat_prompts_workload(server, tmp_path):
 
 
 def test_bad_arguments_and_dead_server():
-    from minillm.bench.serve import run
+    from minillm.bench.serve import ServerError, run
 
     with pytest.raises(ValueError, match="request_rate"):
         run("http://127.0.0.1:9", request_rate=0, num_prompts=1)
@@ -193,7 +199,7 @@ def test_bad_arguments_and_dead_server():
         run("http://127.0.0.1:9", num_prompts=0)
     from serve_utils import free_port
 
-    with pytest.raises(RuntimeError, match="did not answer|ConnectError|connect"):
+    with pytest.raises(ServerError, match="did not answer a test request"):
         run(f"http://127.0.0.1:{free_port()}", workload="prompts", num_prompts=1, max_tokens=2, model="m",
             no_progress=True)
 

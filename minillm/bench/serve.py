@@ -18,7 +18,12 @@ Workloads:
              default, the questions in prompts.txt beside this file; --max-tokens each
 
 Arrivals: --request-rate per second (inf: all at once), gaps from Gamma(--burstiness) (1: Poisson);
---max-concurrency caps the requests in flight. One untimed request first checks the server answers.
+--max-concurrency caps the requests in flight. One untimed request first checks the server answers;
+a server that cannot be reached, refuses the key or fails it is a ServerError (one line, no traceback).
+
+The client is aiohttp with one session for the run (as vLLM's and SGLang's benchmarks): a burst at
+rate inf is on the wire at once, each request on a connection of its own (see `session`). It runs
+on uvloop when installed; run_requests_in_process runs it in a process of its own.
 """
 
 from __future__ import annotations
@@ -98,7 +103,7 @@ def request_body(req: BenchRequest, endpoint: str, model: str, ignore_eos: bool)
 
 async def _events(response, parser: SSEParser):
     """(arrival time, data) of each event of a streamed response, as its bytes arrive."""
-    async for chunk in response.aiter_bytes():
+    async for chunk in response.content.iter_any():
         now = time.perf_counter()
         for data in parser.feed(chunk):
             yield now, data
@@ -111,9 +116,9 @@ async def send(http, url: str, body: dict, prompt_len: int | None) -> RequestRes
     result = RequestResult(start=time.perf_counter(), prompt_tokens=prompt_len)
     chat = "messages" in body
     try:
-        async with http.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
+        async with http.post(url, json=body) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.read()).decode(errors='replace')[:300]}"
                 return result
             pieces, done = [], False
             async for now, data in _events(response, SSEParser()):
@@ -141,33 +146,70 @@ async def send(http, url: str, body: dict, prompt_len: int | None) -> RequestRes
     return result
 
 
+class ServerError(ValueError):
+    """The server cannot be benchmarked: nothing listens at the URL, it refuses our key, it fails the
+    test request. A ValueError, so `minillm bench serve` prints it in one line (no traceback)."""
+
+
+def session(concurrency: int, api_key: str | None, timeout: float):
+    """One aiohttp session for the whole run, as `vllm bench serve` and SGLang's bench_serving use.
+    Its connector opens a connection for every request that finds none idle, up to `concurrency`: a
+    burst goes on the wire at once. (httpx 0.27's pool, which this client used before, assigns every
+    queued request to the one idle keep-alive connection, and all but one retry: a burst of 384
+    leaves the client over seconds, and the server is measured at the rate the client lets out.)"""
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency, ttl_dns_cache=300)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return aiohttp.ClientSession(connector=connector, headers=headers, read_bufsize=1 << 18,
+                                 timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=30.0))
+
+
+async def _first_model(http, base: str) -> str:
+    """The server's first model (GET /v1/models), or a ServerError that says what went wrong."""
+    import aiohttp
+
+    try:
+        async with http.get(f"{base}/v1/models") as r:
+            if r.status != 200:
+                raise ServerError(_refusal(base, r.status, (await r.read()).decode(errors="replace")))
+            return (await r.json())["data"][0]["id"]
+    except aiohttp.ClientConnectionError as e:
+        raise ServerError(f"cannot reach a server at {base} ({e}); is it running, and is --base-url right?") from None
+
+
+def _refusal(base: str, status: int, text: str) -> str:
+    hint = " (pass --api-key, or set OPENAI_API_KEY, to the key the server was started with)" if status == 401 else ""
+    return f"the server at {base} answered HTTP {status}{hint}: {text[:200]}"
+
+
 async def run_requests(base_url: str, requests: list[BenchRequest], *, endpoint: str = "completions",
                        model: str | None = None, request_rate: float = math.inf, burstiness: float = 1.0,
                        max_concurrency: int | None = None, ignore_eos: bool = False, api_key: str | None = None,
                        seed: int = 0, progress: bool = True, timeout: float = 600.0):
-    """-> (results in request order, seconds from the first send to the last answer, model name)."""
-    import httpx
+    """-> (results in request order, seconds from the first send to the last answer, model name).
+    A server that cannot be reached, refuses the key or fails the untimed test request: ServerError."""
     from tqdm.auto import tqdm
 
     base = base_url.rstrip("/").removesuffix("/v1")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=max_concurrency or len(requests) + 1, max_keepalive_connections=None)
     url = f"{base}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
-    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as http:
+    async with session(max_concurrency or len(requests) + 1, api_key, timeout) as http:
         if model is None:
-            r = await http.get(f"{base}/v1/models")
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
+            model = await _first_model(http, base)
         bodies = [request_body(q, endpoint, model, ignore_eos) for q in requests]
         probe = await send(http, url, {**bodies[0], "max_tokens": min(bodies[0]["max_tokens"], 8)}, None)
         if not probe.success:
-            raise RuntimeError(f"the server at {base} did not answer a test request: {probe.error}")
+            status = probe.error.split(":", 1)[0].removeprefix("HTTP ")
+            if status.isdigit():
+                raise ServerError(_refusal(base, int(status), probe.error.split(":", 1)[1].strip()))
+            raise ServerError(f"the server at {base} did not answer a test request: {probe.error}")
         gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         bar = tqdm(total=len(requests), disable=not progress, desc="requests")
         t0 = time.perf_counter()
 
         async def one(at: float, body: dict, prompt_len: int | None) -> RequestResult:
-            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            if at > 0:
+                await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
             if gate is None:
                 result = await send(http, url, body, prompt_len)
             else:
@@ -181,6 +223,30 @@ async def run_requests(base_url: str, requests: list[BenchRequest], *, endpoint:
         duration = time.perf_counter() - t0
         bar.close()
     return list(results), duration, model
+
+
+def _run_requests_here(base_url: str, requests: list[BenchRequest], kwargs: dict, report_cpu: bool = False):
+    """run_requests on a fresh event loop (uvloop's when installed, as the server's); report_cpu: this
+    process's CPU seconds for it too, as a fourth value."""
+    cpu = time.process_time()
+    try:
+        import uvloop
+    except ImportError:
+        out = asyncio.run(run_requests(base_url, requests, **kwargs))
+    else:
+        out = uvloop.run(run_requests(base_url, requests, **kwargs))
+    return (*out, time.process_time() - cpu) if report_cpu else out
+
+
+def run_requests_in_process(base_url: str, requests: list[BenchRequest], report_cpu: bool = False, **kwargs):
+    """run_requests in a process of its own (spawned): the client's CPU never competes with the
+    caller's (a benchmark driver, an offline engine, a notebook kernel) for a GIL. Same result, plus
+    the client's CPU seconds if report_cpu."""
+    import concurrent.futures
+    import multiprocessing as mp
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(_run_requests_here, base_url, requests, kwargs, report_cpu).result()
 
 
 def add_arguments(p, name: str) -> None:
@@ -237,8 +303,8 @@ def run(base_url: str, endpoint: str = "completions", model: str | None = None, 
         raise ValueError(f"workload must be 'random' or 'prompts', not {workload!r}")
     if endpoint not in ("completions", "chat"):
         raise ValueError(f"endpoint must be 'completions' or 'chat', not {endpoint!r}")
-    results, duration, model = asyncio.run(run_requests(
-        base_url, requests, endpoint=endpoint, model=model, request_rate=request_rate, burstiness=burstiness,
+    results, duration, model = _run_requests_here(base_url, requests, dict(
+        endpoint=endpoint, model=model, request_rate=request_rate, burstiness=burstiness,
         max_concurrency=max_concurrency, ignore_eos=ignore_eos, api_key=api_key or os.environ.get("OPENAI_API_KEY"),
         seed=seed, progress=not no_progress))
     out = dict(base_url=base_url, endpoint=endpoint, model=model, workload=workload, num_prompts=num_prompts,

@@ -7,6 +7,7 @@ carried text arrived at t_1 <= t_2 <= ... <= t_k, and that generated n tokens:
     E2E   end-to-end latency      t_k - start
     ITL   inter-token latencies   t_2 - t_1, ..., t_k - t_(k-1)   (a chunk may hold several tokens)
     TPOT  time per output token   (E2E - TTFT) / (n - 1), only when n > 1
+                                  (summarize: only when k > 1 too; tpot_unmeasured counts the rest)
 
 A chunk that carries no text (chat's first chunk with only the role, a usage chunk, `[DONE]`) is
 not a token: counting the role chunk would make TTFT the time to the HTTP headers. n comes from the
@@ -114,7 +115,11 @@ def summarize(results: list[RequestResult], duration: float, slo: tuple[float, f
         raise ValueError(f"duration must be > 0 seconds, not {duration}")
     ok = [r for r in results if r.success]
     ttfts = [ttft(r.start, r.chunk_times) for r in ok]
-    tpots = [t for r in ok if (t := tpot(r.start, r.chunk_times, r.num_output_tokens)) is not None]
+    # A whole answer of n > 1 tokens in one chunk (a loop that fell behind merges steps) gives TPOT 0 by
+    # the formula: no time between tokens was seen, so it is left out of the TPOT statistics and counted.
+    tpots = [t for r in ok if len(r.chunk_times) > 1 and (t := tpot(r.start, r.chunk_times, r.num_output_tokens))
+             is not None]
+    one_chunk = sum(len(r.chunk_times) == 1 and r.num_output_tokens > 1 for r in ok)
     itls = [g for r in ok for g in itl(r.chunk_times)]
     e2es = [e2e(r.start, r.chunk_times) for r in ok]
     input_tokens = sum(r.prompt_tokens or 0 for r in ok)
@@ -122,7 +127,7 @@ def summarize(results: list[RequestResult], duration: float, slo: tuple[float, f
     out = dict(completed=len(ok), failed=len(results) - len(ok), duration_s=duration,
                total_input_tokens=input_tokens, total_output_tokens=output_tokens,
                request_throughput=len(ok) / duration, output_throughput=output_tokens / duration,
-               total_token_throughput=(input_tokens + output_tokens) / duration)
+               total_token_throughput=(input_tokens + output_tokens) / duration, tpot_unmeasured=one_chunk)
     if slo is not None:
         out["goodput"] = goodput(results, slo, duration)
     for values, name in ((ttfts, "ttft"), (tpots, "tpot"), (itls, "itl"), (e2es, "e2el")):

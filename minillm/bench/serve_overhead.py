@@ -20,10 +20,10 @@ top functions per thread to DIR/serve-profile.txt when it stops (pip install yap
 from __future__ import annotations
 
 import argparse
-import asyncio
+import concurrent.futures
 import contextlib
 import json
-import math
+import multiprocessing as mp
 import os
 import shlex
 import socket
@@ -115,45 +115,61 @@ finally:
 
 def measure(model: str | None, device: str, num_prompts: int, input_len: tuple[int, int],
             output_len: tuple[int, int], work: Path, profile: Path | None = None, flags: list[str] = ()) -> dict:
-    """-> output tokens/s served (rate inf) and offline on the same requests, and their ratio."""
-    import torch
+    """-> output tokens/s served (rate inf) and offline on the same requests, and their ratio.
 
-    from ..llm import LLM
-    from ..sampling import SamplingParams
-    from .serve import random_workload, run_requests
+    Three processes besides the server: the client (aiohttp, bench/serve.py) and the offline
+    `LLM.generate` each run in a spawned process of their own, so none shares a GIL with another
+    side, and the offline engine's GPU memory is given back (its process ends) before the next
+    server sizes its KV pool from what is free."""
+    from .serve import random_workload, run_requests_in_process
     from .serve_metrics import summarize
 
     reqs = random_workload(num_prompts, input_len, output_len, seed=12, prompt_format="ids")
     with served(model, device, work / "serve.log", profile, flags) as (base, pid):
-        asyncio.run(run_requests(base, reqs[:4], request_rate=math.inf, ignore_eos=True, progress=False))  # warm
+        run_requests_in_process(base, reqs[:4], ignore_eos=True, progress=False)  # warm
         steps, cpu = _engine_steps(base), _cpu_seconds(pid)
-        results, duration, _ = asyncio.run(run_requests(base, reqs, request_rate=math.inf, ignore_eos=True,
-                                                        seed=12, progress=False))
+        results, duration, _, client_cpu = run_requests_in_process(base, reqs, ignore_eos=True, seed=12,
+                                                                   progress=False, report_cpu=True)
         steps, cpu = _engine_steps(base) - steps, {k: v - cpu[k] for k, v in _cpu_seconds(pid).items()}
     s = summarize(results, duration, (1e9, 1e9))
     if s["failed"]:
         raise RuntimeError(f"{s['failed']} requests failed: {[r.error for r in results if r.error][:3]}")
-    if device == "cpu":
-        torch.set_num_threads(1)  # as the server ran: the same CPU for both
-    llm = LLM(model, device=device)
-    prompts = [{"prompt_token_ids": q.prompt} for q in reqs]
-    params = [SamplingParams(temperature=0.0, max_tokens=q.max_tokens, ignore_eos=True) for q in reqs]
-    if llm.engine.sizes.device.type == "cuda":
-        llm.engine.warm_up()  # compiled and captured, as the server was before /health said 200
-    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm
-    offline_steps = llm.engine.engine_stats.num_steps
-    t, offline_cpu = time.perf_counter(), time.process_time()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    offline_s, offline_cpu = time.perf_counter() - t, time.process_time() - offline_cpu
-    offline_steps = llm.engine.engine_stats.num_steps - offline_steps
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        offline = pool.submit(offline_run, model, device, [(q.prompt, q.max_tokens) for q in reqs]).result()
+    tokens = offline["output_tokens"]
     if tokens != s["total_output_tokens"]:
         raise RuntimeError(f"the server made {s['total_output_tokens']} tokens, LLM.generate {tokens}")
     return dict(requests=len(reqs), output_tokens=tokens, served_s=s["duration_s"],
-                served_tps=s["output_throughput"], offline_s=offline_s, offline_tps=tokens / offline_s,
-                ratio=s["output_throughput"] * offline_s / tokens, median_tpot_ms=s["median_tpot_ms"],
-                served_steps=steps, offline_steps=offline_steps, offline_cpu_s=offline_cpu,
-                loop_cpu_s=cpu["loop"], other_cpu_s=cpu["other"], core_cpu_s=cpu["core"])
+                served_tps=s["output_throughput"], offline_s=offline["seconds"], offline_tps=tokens / offline["seconds"],
+                ratio=s["output_throughput"] * offline["seconds"] / tokens, median_tpot_ms=s["median_tpot_ms"],
+                median_ttft_ms=s["median_ttft_ms"], served_steps=steps, offline_steps=offline["steps"],
+                offline_cpu_s=offline["cpu_s"], loop_cpu_s=cpu["loop"], other_cpu_s=cpu["other"],
+                core_cpu_s=cpu["core"], client_cpu_s=client_cpu)
+
+
+def offline_run(model: str | None, device: str, requests: list[tuple[list[int], int]]) -> dict:
+    """LLM.generate on the requests (prompt ids, output length), greedy, ignore_eos, after a warm-up:
+    -> output tokens, seconds, engine steps and this process's CPU seconds. Run in a process of its
+    own (measure): when it returns, its engine's memory is the system's again."""
+    import torch
+
+    from ..llm import LLM
+    from ..sampling import SamplingParams
+
+    if device == "cpu":
+        torch.set_num_threads(1)  # as the server ran: the same CPU for both
+    llm = LLM(model, device=device)
+    prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    if llm.engine.sizes.device.type == "cuda":
+        llm.engine.warm_up()  # compiled and captured, as the server was before /health said 200
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm
+    steps = llm.engine.engine_stats.num_steps
+    t, cpu = time.perf_counter(), time.process_time()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
+    return dict(output_tokens=sum(len(o.outputs[0].token_ids) for o in outs), seconds=seconds,
+                steps=llm.engine.engine_stats.num_steps - steps, cpu_s=cpu)
 
 
 def _cpu_seconds(pid: int) -> dict[str, float]:
@@ -193,11 +209,13 @@ def _report(r: dict, core: str) -> None:
     print(f"engine core {core}: {r['requests']} requests, {r['output_tokens']} output tokens: served "
           f"{r['served_tps']:,.0f} tok/s ({r['served_s']:.2f} s, TPOT p50 {r['median_tpot_ms']:.2f} ms), offline "
           f"{r['offline_tps']:,.0f} tok/s ({r['offline_s']:.2f} s): server / offline {100 * r['ratio']:.0f} %; engine "
-          f"steps {r['served_steps']:.0f} served, {r['offline_steps']} offline", flush=True)
+          f"steps {r['served_steps']:.0f} served, {r['offline_steps']} offline (output tokens per step "
+          f"{r['output_tokens'] / max(r['served_steps'], 1):.1f} served, {r['output_tokens'] / max(r['offline_steps'], 1):.1f} "
+          f"offline)", flush=True)
     k = 1e6 / r["output_tokens"]  # CPU seconds -> ms per 1000 output tokens
     print(f"  CPU ms per 1000 output tokens: server event loop {k * r['loop_cpu_s']:.0f} + other threads (the "
           f"engine's in thread mode) {k * r['other_cpu_s']:.0f} + engine core process {k * r['core_cpu_s']:.0f}; "
-          f"offline {k * r['offline_cpu_s']:.0f}", flush=True)
+          f"client {k * r['client_cpu_s']:.0f}; offline {k * r['offline_cpu_s']:.0f}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

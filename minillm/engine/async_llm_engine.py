@@ -20,8 +20,9 @@ up to seconds on a CPU, and it does not yield; run in the loop, it would freeze 
 A thread keeps the loop free, but shares its GIL: while the loop writes SSE chunks the engine cannot
 step. A process has a GIL of its own, at the price of pickling each step's deltas across a pipe.
 
-Each request's stream carries RequestOutputs in delta form; a reader that fell behind gets several
-steps' deltas merged into one (`coalesce`), so under load the server writes fewer, larger chunks.
+Each request's stream carries RequestOutputs in delta form, built by the reader from the core's rows
+(deltas.py); a reader that fell behind gets several steps' rows as one output per request, so under
+load the server writes fewer, larger chunks.
 
 `check` (LLMEngine.check_request) runs on the caller's thread so a bad request is refused before it
 is queued, with an HTTP status rather than a broken stream. It reads only what is fixed once the
@@ -43,10 +44,10 @@ from contextlib import aclosing
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
 from .core_client import ENGINE_CORES, InprocCore, ProcCore
-from .deltas import Inbox, coalesce
-from .engine_core import EngineLoad, FinishedStats, decode, failed_row
+from .deltas import Inbox, outputs_of
+from .engine_core import EngineLoad, FinishedStats, failed_row
 
-__all__ = ["AsyncLLMEngine", "EngineLoad", "EngineNotReady", "FinishedStats", "Inbox", "RequestStream", "coalesce"]
+__all__ = ["AsyncLLMEngine", "EngineLoad", "EngineNotReady", "FinishedStats", "Inbox", "RequestStream", "outputs_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +116,8 @@ class AsyncLLMEngine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     out: asyncio.Queue | Inbox | None = None) -> asyncio.Queue | Inbox:
-        """Queue a checked request; its deltas arrive on `out` (anything with put_nowait; several
-        requests may share one)."""
+        """Queue a checked request; its rows (engine_core.py) arrive on `out` (anything with put_nowait;
+        several requests may share one; deltas.outputs_of makes RequestOutputs of them)."""
         self.check_ready()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -171,21 +172,20 @@ class AsyncLLMEngine:
 
     # ---- called by the core client (core_client.py) ----------------------------------------------
 
-    def prompt_ids(self, request_id: str) -> list[int] | None:
-        entry = self._streams.get(request_id)
-        return entry[1] if entry is not None else None
-
-    def deliver(self, batch: list[RequestOutput]) -> None:
-        """On the event loop: hand one step's deltas (or several steps') to their streams."""
-        for delta in batch:
-            entry = self._streams.get(delta.request_id)
+    def deliver(self, rows: list[tuple]) -> None:
+        """On the event loop: hand one step's rows (or several steps') to their streams, as they are:
+        the reader makes one output per request of all it finds (deltas.py)."""
+        streams = self._streams
+        for row in rows:
+            entry = streams.get(row[0])
             if entry is not None:
-                entry[0].put_nowait(delta)
-            if delta.finished:
-                self._streams.pop(delta.request_id, None)
+                entry[0].put_nowait(row)
+            if row[1]:  # finished
+                streams.pop(row[0], None)
                 if self.on_finished is not None:
                     try:
-                        self.on_finished(delta)
+                        prompt = None if entry is None else entry[1]
+                        self.on_finished(outputs_of([row], lambda rid, ids=prompt: ids)[0])
                     except Exception:  # a metrics bug must not stop the deliveries
                         logger.exception("on_finished failed")
 
@@ -201,8 +201,7 @@ class AsyncLLMEngine:
         open ends with the error; then on_dead."""
         self.dead = self.dead or reason
         logger.error("the engine core stopped serving: %s", self.dead)
-        self.deliver(decode([failed_row(rid, len(ids), self.dead, arrival) for rid, (_, ids, arrival)
-                             in self._streams.items()], self.prompt_ids))
+        self.deliver([failed_row(rid, len(ids), self.dead, arrival) for rid, (_, ids, arrival) in self._streams.items()])
         if self._on_dead is not None:
             self._on_dead()
 
@@ -217,7 +216,7 @@ class AsyncLLMEngine:
 class RequestStream:
     """The deltas of some requests, as lists: every delta that has arrived by the time the reader
     asks. A reader that keeps up gets one step's deltas per list; one that fell behind (the event
-    loop was busy) gets several steps' at once, coalesced to one delta per request, and the server
+    loop was busy) gets several steps' at once, merged to one delta per request, and the server
     writes them as one SSE event per choice: under load the loop's cost per token falls instead of
     the backlog growing.
 
@@ -227,6 +226,7 @@ class RequestStream:
 
     def __init__(self, engine: AsyncLLMEngine, requests: list[tuple[str, list[int], SamplingParams]]):
         self._engine, self._out, self.pending = engine, Inbox(), set()
+        self._prompts = {rid: ids for rid, ids, _ in requests}
         try:
             for rid, ids, params in requests:
                 engine.add_request(rid, ids, params, self._out)
@@ -242,14 +242,15 @@ class RequestStream:
         if not self.pending:
             raise StopAsyncIteration
         try:
-            batch = await self._out.take()
+            rows = await self._out.take()
         except BaseException:  # cancelled: nobody will read the rest
             self.close()
             raise
+        batch = outputs_of(rows, self._prompts.get)
         for delta in batch:
             if delta.finished:
                 self.pending.discard(delta.request_id)
-        return coalesce(batch) if len(batch) > 1 else batch
+        return batch
 
     async def aclose(self) -> None:
         self.close()

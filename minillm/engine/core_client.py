@@ -10,7 +10,7 @@
             API process (event loop)                          engine core process
     add/abort ──> buffer ──(one list per loop pass)──> pipe ──> reader thread ──> queue.Queue
                                                                                       │
-    streams <── _deliver <── add_reader wakes the loop <── pipe <── ("out", deltas, load)
+    streams <── deliver <── add_reader wakes the loop <── pipe <── ("out", rows, load)
                               (drains every message queued)        one message per engine pass
 
 Each message out is pickled plain tuples (engine_core's rows) behind their length, read by the loop
@@ -34,7 +34,7 @@ import queue
 import threading
 
 from .core_process import OUT_PIPE_BYTES, FrameReader, build_engine, run_core_process
-from .engine_core import EngineCore, decode
+from .engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +77,8 @@ class InprocCore:
 
         def publish(rows, load):
             front.load = load  # the load first: a client that sees a delta sees its step's load
-            if rows:  # turned into RequestOutputs here, off the event loop
-                front.call_soon(front.deliver, decode(rows, front.prompt_ids))
+            if rows:  # as they are: each reader makes its outputs of the rows it finds (deltas.py)
+                front.call_soon(front.deliver, rows)
 
         def fatal(reason):
             front.dead = reason  # before the last deliveries: nobody may add to a dead core
@@ -135,8 +135,9 @@ class ProcCore:
                 pass
 
     def _on_readable(self) -> None:
-        """On the loop, once per wake-up: every message the core has queued, delivered in one go (a
-        loop that fell behind gets several steps at once; the streams coalesce them)."""
+        """On the loop, once per wake-up: every message the core has queued, its rows delivered in one
+        go, as they are (a loop that fell behind gets several steps at once; each reader merges its
+        requests' rows into one output each, deltas.py)."""
         if self._ended:
             return
         front, batch = self.front, []
@@ -144,7 +145,7 @@ class ProcCore:
         for msg in messages:
             if msg[0] == "out":
                 front.load = msg[2]
-                batch += decode(msg[1], front.prompt_ids)
+                batch += msg[1]
             elif msg[0] == "ready":
                 front.engine, front.warm_up_seconds = msg[1], msg[2]
                 front.ready_event.set()

@@ -4,7 +4,8 @@ framing of the messages it sends back (chapter 12).
     run_core_process(make_engine, warm_up, commands, out, log_level)    the child's main
 
 The child builds the engine, sends ("ready", EngineView, warm-up seconds) (or ("load_error", why)),
-then runs an EngineCore whose every pass sends ("out", rows, load). A reader thread moves the
+then runs an EngineCore whose every pass sends ("out", rows, load), through a writer thread
+(Writer) that pickles and writes while the core goes on to its next step. A reader thread moves the
 command lists that come down the other pipe into the core's queue.Queue as they arrive. Messages out
 are pickles behind an 8-byte length (write_frame), which the API process reads without blocking
 (FrameReader).
@@ -118,12 +119,49 @@ def run_core_process(make_engine, warm_up, cmd_conn, out_conn, log_level: int) -
         logging.getLogger(__name__).exception("building the engine failed")
         send(("load_error", f"{type(e).__name__}: {e}"))
         return
-    send(("ready", EngineView(engine), warm_up_seconds))
-    core = EngineCore(engine, commands, lambda rows, load: send(("out", rows, load)),
-                      lambda reason: send(("dead", reason)))
-    if core.run() is None:
-        engine.shutdown()
-    out_conn.close()
+    send(("ready", EngineView(engine), warm_up_seconds))  # written here: nothing runs yet that could change it
+    writer = Writer(send, lambda: commands.put(("stop", True)))
+    core = EngineCore(engine, commands, lambda rows, load: writer.put(("out", rows, load)),
+                      lambda reason: writer.put(("dead", reason)))
+    try:
+        if core.run() is None:
+            engine.shutdown()
+    finally:
+        writer.close()  # every message out, in order, before the pipe closes
+        out_conn.close()
+
+
+class Writer:
+    """The core's messages out, pickled and written by a thread of their own, in order. The pickling
+    and the pipe write of one step's rows then overlap the next step (its wait for the GPU lets go
+    of the GIL), and a full pipe (an API loop some steps behind) never holds the engine back. What
+    is put is never changed after: rows are fresh tuples, lists and strings."""
+
+    def __init__(self, send, on_error):
+        """send(msg) pickles and writes one message; on_error() is called (once) if one cannot be."""
+        self.send, self.on_error, self.queue = send, on_error, queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="minillm-core-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, msg) -> None:
+        self.queue.put(msg)
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+
+    def _run(self) -> None:
+        failed = False
+        while (msg := self.queue.get()) is not None:
+            if failed:
+                continue
+            try:
+                self.send(msg)
+            except Exception as e:  # a message that does not pickle: a bug, which the API process must hear
+                logging.getLogger(__name__).exception("the engine core could not send a message")
+                failed = True
+                self.send(("dead", f"the engine core could not send its output: {type(e).__name__}: {e}"))
+                self.on_error()
 
 
 def _read_commands(conn, commands: queue.Queue) -> None:

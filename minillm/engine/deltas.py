@@ -1,21 +1,27 @@
-"""A request's deltas on the event loop's side (chapter 12): where they wait to be read (Inbox), and
-how several steps' worth for one request become one (coalesce).
+"""A request's deltas on the event loop's side (chapter 12): where the core's rows wait to be read
+(Inbox), and how every row a reader finds becomes one RequestOutput per request (outputs_of).
 
-A stream reads everything delivered since it last looked. When the loop keeps up that is one step's
-delta per request; when it fell behind, several, and coalesce merges them, so the server writes one
-SSE event per choice instead of one per token per step (vLLM's stream_interval, applied only when
-the reader is behind). Put back together, a stream is the same either way.
+The core sends rows, plain tuples (engine_core.py), one per request it changed, once per step. The
+loop does not turn them into objects when they arrive: it drops each row into its request's Inbox,
+a list append. The reader, when it wakes up, takes all the rows since its last look and builds one
+RequestOutput per request from them in one pass: the texts joined once, the token ids extended.
+When the loop keeps up that is one row per request; when it fell behind, several, and the cost of
+a wake-up (one object, one SSE event per choice, one socket write) is shared by all their tokens:
+under load the loop's cost per token falls instead of the backlog growing (vLLM's
+RequestOutputCollector and its stream_interval, applied only when the reader is behind). Put back
+together, a stream is the same either way.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from ..outputs import CompletionOutput, RequestOutput
 
 
 class Inbox:
-    """Deltas delivered to some requests and not read yet: a list and at most one waiter. (An
+    """Rows delivered to some requests and not read yet: a list and at most one waiter. (An
     asyncio.Queue does the same with a future per get and a wake-up per put: per token, on the loop.)"""
 
     __slots__ = ("items", "waiter")
@@ -41,25 +47,34 @@ class Inbox:
         return items
 
 
-def coalesce(batch: list[RequestOutput]) -> list[RequestOutput]:
-    """Deltas in step order -> one per request, in order of first appearance: each completion's
-    text, token ids and logprobs joined, its finish and the request's end taken from the last (vLLM's
-    stream_interval, applied only when the reader is behind). Put back together, the stream is
-    the same."""
-    merged: dict[str, RequestOutput] = {}
-    for d in batch:
-        m = merged.get(d.request_id)
-        merged[d.request_id] = d if m is None else _merge(m, d)
-    return list(merged.values())
-
-
-def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    outs = {o.index: o for o in a.outputs}
-    for o in b.outputs:
-        p = outs.get(o.index)
-        outs[o.index] = o if p is None else CompletionOutput(
-            o.index, p.text + o.text, p.token_ids + o.token_ids, o.cumulative_logprob,
-            p.logprobs + o.logprobs if p.logprobs is not None and o.logprobs is not None else o.logprobs or p.logprobs,
-            o.finish_reason, o.stop_reason)
-    return RequestOutput(b.request_id, b.prompt, b.prompt_token_ids, list(outs.values()), finished=b.finished,
-                         metrics=b.metrics or a.metrics, error=b.error or a.error)
+def outputs_of(rows: list[tuple], prompt_ids: Callable[[str], list[int] | None]) -> list[RequestOutput]:
+    """Rows in step order -> one RequestOutput per request, in order of first appearance: each
+    completion's texts joined, token ids and logprobs in order, its finish and the request's end,
+    error and metrics from its last row. prompt_ids(request id): the prompt, which rows do not carry."""
+    if len(rows) == 1:  # a reader that keeps up: nothing to merge
+        (rid, finished, error, metrics, outs), = rows
+        return [RequestOutput(rid, None, prompt_ids(rid), [CompletionOutput(*o) for o in outs], finished=finished,
+                              metrics=metrics, error=error)]
+    merged: dict[str, list] = {}  # request id -> [finished, error, metrics, {index: [texts, ids, cum, lps, end, why]}]
+    for rid, finished, error, metrics, outs in rows:
+        m = merged.get(rid)
+        if m is None:
+            m = merged[rid] = [finished, error, metrics, {}]
+        else:
+            m[0], m[1], m[2] = finished, error or m[1], metrics or m[2]
+        choices = m[3]
+        for index, text, ids, cumulative, logprobs, finish, stop in outs:
+            c = choices.get(index)
+            if c is None:
+                choices[index] = [[text], list(ids), cumulative, None if logprobs is None else list(logprobs), finish,
+                                  stop]
+                continue
+            c[0].append(text)
+            c[1] += ids
+            if logprobs is not None:
+                c[3] = list(logprobs) if c[3] is None else c[3] + logprobs
+            c[2], c[4], c[5] = cumulative, finish, stop
+    return [RequestOutput(rid, None, prompt_ids(rid),
+                          [CompletionOutput(i, "".join(c[0]), c[1], c[2], c[3], c[4], c[5]) for i, c in choices.items()],
+                          finished=finished, metrics=metrics, error=error)
+            for rid, (finished, error, metrics, choices) in merged.items()]

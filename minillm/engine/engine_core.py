@@ -10,11 +10,14 @@ sides speak plain tuples, so the same loop serves both:
     in   ("add", request_id, prompt_ids, params, arrival)    a checked request
          ("abort", [request_id, ...])                         its client went away: free its blocks
          ("stop", abort_all)                                  end once nothing runs (abort_all: now)
-    out  publish(rows, load) after every pass                 every request's new tokens, one call
+    out  publish(rows, load) after every pass                 the new tokens of what it changed, one call
 
-A row is one request's delta as a plain tuple (`decode` turns rows into RequestOutputs): only what is
-new since the last one (vLLM's RequestOutputKind.DELTA). Tuples, because in process mode every row
-crosses a pipe each step: pickled, they are 4x smaller and faster than the objects. Text comes from Sequence.stream_delta, which holds back what could still be
+A row is one request's delta as a plain tuple (deltas.outputs_of turns rows into RequestOutputs, on
+the reader's side): only what is new since the last one (vLLM's RequestOutputKind.DELTA). Tuples,
+because in process mode every row crosses a pipe each step: pickled, they are 4x smaller and faster
+than the objects. A pass rows only the requests it can have changed: those with a running sequence,
+those it finished, aborted or failed. A request still waiting costs nothing per step, however long
+the queue. Text comes from Sequence.stream_delta, which holds back what could still be
 the start of a stop string, so a stop string never reaches a client. A request's last delta has
 finished=True and a FinishedStats as `metrics`. A request whose step failed ends with finish_reason
 "error" and RequestOutput.error; an aborted one with "abort", its blocks freed before the next step.
@@ -27,9 +30,6 @@ import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-from ..outputs import CompletionOutput, RequestOutput
-from ..sequence import SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,8 @@ class EngineCore:
         self.engine, self.commands, self.publish, self.on_fatal = engine, commands, publish, on_fatal
         self.tracked: dict[str, _Tracked] = {}
         self._refused: list[tuple] = []  # rows of adds the engine refused: ended at the next publish
+        self._changed: dict[str, None] = {}  # requests this pass may have changed, in order: published next
+        self._rid_of_seq: dict[int, str] = {}  # seq_id -> request id, of every tracked request's sequences
 
     def run(self) -> str | None:
         """Serve until stopped. -> None, or why the loop failed (every request was ended with it)."""
@@ -122,6 +124,7 @@ class EngineCore:
                 tr.group.error = tr.group.error or reason
                 for s in tr.group.seqs:
                     s.finish_reason = s.finish_reason or "error"
+            self._changed.update(dict.fromkeys(self.tracked))
             self._publish()
             return reason
         return None
@@ -142,14 +145,29 @@ class EngineCore:
             if engine.has_unfinished_requests():
                 began = time.perf_counter()
                 try:
-                    engine.step(unfinished_outputs=False)  # outputs are read off the sequences below
+                    finished = engine.step(unfinished_outputs=False)  # the rest is read off the sequences
                 except Exception as e:  # LLMEngine.step ends failing requests itself; this is worse
                     logger.exception("engine step failed; ending the requests in flight")
                     self._fail_all(e)
-                for tr in self.tracked.values():  # who ran for the first time (stamped after its forward)
-                    if tr.scheduled is None and tr.group.metrics.first_scheduled_time is not None:
-                        tr.scheduled = began
+                    finished = []
+                self._note_stepped(finished, began)
             self._publish()
+
+    def _note_stepped(self, finished: list, began: float) -> None:
+        """Mark what this step can have changed: the requests with a running sequence (a superset of
+        those it scheduled; the waiting ones cannot have news) and those it finished. Their first
+        schedule is stamped here too. O(running), not O(tracked): a long queue costs nothing per step."""
+        changed, seq_rid = self._changed, self._rid_of_seq
+        for seq in self.engine.scheduler.running:
+            rid = seq_rid.get(seq.seq_id)
+            if rid is not None:
+                changed[rid] = None
+        for out in finished:
+            changed[out.request_id] = None
+        for rid in changed:
+            tr = self.tracked.get(rid)
+            if tr is not None and tr.scheduled is None and tr.group.metrics.first_scheduled_time is not None:
+                tr.scheduled = began  # who ran for the first time (stamped after its forward)
 
     def _apply(self, cmd: tuple) -> bool:
         """Run one command; True for "stop"."""
@@ -161,12 +179,18 @@ class EngineCore:
             except Exception as e:  # checked before it was sent, so this is a race or a bug: end it cleanly
                 self._refused.append(failed_row(rid, len(ids), e, arrival))
                 return False
-            self.tracked[rid] = _Tracked(engine.groups[rid], arrival)
+            group = engine.groups[rid]
+            self.tracked[rid] = _Tracked(group, arrival)
+            for s in group.seqs:
+                self._rid_of_seq[s.seq_id] = rid
         elif cmd[0] == "abort":
-            engine.abort_request([r for r in cmd[1] if r in self.tracked])  # marks them "abort", frees blocks
+            ids = [r for r in cmd[1] if r in self.tracked]
+            engine.abort_request(ids)  # marks them "abort", frees blocks
+            self._changed.update(dict.fromkeys(ids))
         elif cmd[0] == "stop":
             if cmd[1]:
                 engine.abort_request(list(self.tracked))
+                self._changed.update(dict.fromkeys(self.tracked))
             return True
         return False
 
@@ -177,24 +201,26 @@ class EngineCore:
             self.engine.abort_request(rid)  # frees their blocks, marks them "abort"
             for s in unfinished:
                 s.finish_reason = "error"
+        self._changed.update(dict.fromkeys(self.tracked))
 
     def _publish(self) -> None:
-        """Every request's delta and the load figures, in one call."""
-        batch, running, waiting = self._refused, 0, 0
-        self._refused = []
-        for rid, tr in list(self.tracked.items()):
+        """The deltas of the requests this pass changed, and the load figures, in one call."""
+        batch, self._refused = self._refused, []
+        changed, self._changed = self._changed, {}
+        for rid in changed:
+            tr = self.tracked.get(rid)
+            if tr is None:
+                continue
             row = tr.row()
             if row is not None:
                 batch.append(row)
                 if row[1]:  # finished
                     del self.tracked[rid]
-                    continue
-            if any(s.status is SequenceStatus.RUNNING for s in tr.group.seqs):
-                running += 1
-            else:
-                waiting += 1
+                    for s in tr.group.seqs:
+                        self._rid_of_seq.pop(s.seq_id, None)
+        running = len({self._rid_of_seq[s.seq_id] for s in self.engine.scheduler.running if s.seq_id in self._rid_of_seq})
         bm = self.engine.block_manager
-        self.publish(batch, EngineLoad(running, waiting, bm.num_used_blocks, bm.num_blocks - 1,
+        self.publish(batch, EngineLoad(running, len(self.tracked) - running, bm.num_used_blocks, bm.num_blocks - 1,
                                        self.engine.engine_stats.as_dict()))
 
 
@@ -203,9 +229,3 @@ def failed_row(rid: str, num_prompt_tokens: int, error: Exception | str, arrival
     reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
     stats = FinishedStats(arrival, None, time.perf_counter(), num_prompt_tokens, (0,), "error")
     return rid, True, reason, stats, [(0, "", [], None, None, "error", None)]
-
-
-def decode(rows: list[tuple], prompt_ids: Callable[[str], list[int] | None]) -> list[RequestOutput]:
-    """Rows -> RequestOutputs (prompt_ids(request id): the prompt's ids, which rows do not carry)."""
-    return [RequestOutput(rid, None, prompt_ids(rid), [CompletionOutput(*o) for o in outs], finished=finished,
-                          metrics=metrics, error=error) for rid, finished, error, metrics, outs in rows]
