@@ -34,8 +34,8 @@ from ..layers import (
     RowParallelLinear,
     SiluAndMul,
     VocabParallelEmbedding,
-    apply_rotary,
 )
+from ..layers.attention import rotate
 from ..layers.quantization import QuantizationConfig
 from .utils import load_weights
 
@@ -66,10 +66,13 @@ class LlamaAttention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *cos_sin)  # cos/sin of these positions, looked up once per forward
-        return self.o_proj(self.attn(q, k, v, positions, attn_metadata))  # [T, hidden]
+        # QK-norm (Qwen3) and RoPE with cos/sin of these positions (looked up once per forward): with a KV
+        # cache on a GPU, by the attention layer in the launch that writes k and v to the cache (chapter 13).
+        rope = (cos_sin, self.q_norm, self.k_norm)
+        if not self.attn.fuses_rope(q, attn_metadata, *rope):
+            q, k = rotate(q, k, *rope)
+            rope = (None, None, None)
+        return self.o_proj(self.attn(q, k, v, positions, attn_metadata, *rope))  # [T, Hq * D] -> [T, hidden]
 
 
 class LlamaMLP(nn.Module):
