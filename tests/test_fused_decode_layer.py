@@ -20,15 +20,20 @@ from tiny_models import random_model
 
 import minillm.kernels.flash_decode as flash_decode_kernels
 import minillm.layers.attention as attention
+import minillm.layers.layernorm as layernorm
 from minillm.layers.backend import kernel_mode
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_cuda = pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-# One decode layer, fused: 2 RMSNorm (+ residual), 4 GEMMs, RoPE + KV write (+ QK-norm), FlashDecoding
-# with its merge in the kernel, SiLU-and-mul.
-FUSED_LAYER = Counter({"triton._rms_norm_kernel": 2, "aten.linear": 4, "triton._rope_store_kv_kernel": 1,
-                       "triton._flash_decode_split": 1, "triton._silu_and_mul_kernel": 1})
+# One decode layer, fused: residual add + RMSNorm + QKV projection; RoPE + KV write (+ QK-norm);
+# FlashDecoding with its merge in the kernel; o_proj; residual add + RMSNorm + gate_up + SiLU-and-mul;
+# down_proj.
+FUSED_LAYER = Counter({"triton._skinny_gemm_kernel": 2, "triton._rope_store_kv_kernel": 1,
+                       "triton._flash_decode_split": 1, "aten.linear": 2})
+# ... without the skinny GEMM (MINILLM_SKINNY_GEMM=0): the norms, SiLU-and-mul and cuBLAS GEMMs apart.
+NO_SKINNY_LAYER = Counter({"triton._rms_norm_kernel": 2, "aten.linear": 4, "triton._rope_store_kv_kernel": 1,
+                           "triton._flash_decode_split": 1, "triton._silu_and_mul_kernel": 1})
 
 
 def _model(arch: str, layers: int, seed: int):
@@ -39,6 +44,7 @@ def _model(arch: str, layers: int, seed: int):
 
 def _unfused(monkeypatch) -> None:
     """The pre-chapter-13 layer: rotary + store_kv (+ two QK-norms), and the separate combine kernel."""
+    monkeypatch.setattr(layernorm, "_skinny_on", False)
     monkeypatch.setattr(attention, "fusable", lambda *a: False)
     split = flash_decode_kernels.flash_decode
     monkeypatch.setattr(flash_decode_kernels, "flash_decode", lambda *a, **kw: split(*a, **kw, fused_combine=False))
@@ -59,9 +65,15 @@ def _launches_per_layer(arch: str, seed: int) -> tuple[float, Counter]:
 @pytest.mark.skipif(not INTERPRETED, reason="counts the interpreter's launches (the GPU test counts kernels)")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_kernels_per_decode_layer(seed, arch, monkeypatch):
+    monkeypatch.setattr(layernorm, "_skinny_on", True)  # whatever MINILLM_SKINNY_GEMM says
     n, which = _launches_per_layer(arch, seed)
     print(f"{arch}: {n:g} launches per decode layer, fused: {dict(which)}")
-    assert which == FUSED_LAYER and n == 9
+    assert which == FUSED_LAYER and n == 6
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(layernorm, "_skinny_on", False)
+        n, which = _launches_per_layer(arch, seed)
+    print(f"{arch}: {n:g} launches per decode layer, without the skinny GEMM: {dict(which)}")
+    assert which == NO_SKINNY_LAYER and n == 9
     _unfused(monkeypatch)
     before, which = _launches_per_layer(arch, seed)
     print(f"{arch}: {before:g} launches per decode layer, unfused: {dict(which)}")
@@ -115,3 +127,29 @@ def test_kernels_per_graphed_decode_layer_gpu(preset):
     n = per_layer(counts[2], counts[4], 2, 4)
     print(f"{preset}: {n:g} CUDA kernels per graphed decode layer; {dict(counts[4] - counts[2])}")
     assert n <= 9
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("preset", ["smollm2-135m", "qwen3-0.6b"])
+def test_graphed_fused_step_matches_the_pytorch_path_gpu(preset):
+    """The real shapes (2 layers, dummy weights, fp32), batch 4 with a padding row over 4096-key tables
+    (FlashDecoding splits, merged in-kernel): one CUDA-graph replay of the fused step gives the PyTorch
+    path's logits."""
+    from minillm.config import preset as make_preset
+    from minillm.loader import load_model
+
+    config = make_preset(preset).with_(num_layers=2)
+    model, _, _ = load_model(config, load_format="dummy", dtype=torch.float32, device=torch.device("cuda"))
+    step = decode_step(model, batch=4, context=4096, pad=1, seed=3)
+    with torch.inference_mode():
+        with kernel_mode("torch"):
+            want = step()[1:]
+        step()  # compile and autotune outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = step()
+        for _ in range(2):  # twice: the split counters were reset by the first replay
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(got[1:], want, rtol=1e-3, atol=1e-3 * want.abs().max().item())

@@ -36,6 +36,7 @@ from ..layers import (
     VocabParallelEmbedding,
 )
 from ..layers.attention import rotate
+from ..layers.layernorm import fuses_into, norm_linear
 from ..layers.quantization import QuantizationConfig
 from .utils import load_weights
 
@@ -59,10 +60,12 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, config.sliding_windows[layer])
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata: AttentionMetadata,
-                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | None, attn_metadata: AttentionMetadata,
+                cos_sin: tuple[torch.Tensor, torch.Tensor], qkv: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, hidden]; or qkv: [T, (Hq + 2 Hkv) * D], the projection already made (norm_linear)
+        qkv = self.qkv_proj(x) if qkv is None else qkv
+        T = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -104,12 +107,23 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 attn_metadata: AttentionMetadata, cos_sin: tuple[torch.Tensor, torch.Tensor]):
-        # The residual stream is carried separately so each norm can fuse "add, then normalise".
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
+        # The residual stream is carried separately so each norm can fuse "add, then normalise"; for a
+        # few tokens (decode) the norm also joins the next projection's kernel (chapter 13: norm_linear).
+        attn = self.self_attn
+        if isinstance(attn, LlamaAttention) and fuses_into(self.input_layernorm, attn.qkv_proj, x):
+            qkv, residual = norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
+            x = attn(positions, None, attn_metadata, cos_sin, qkv=qkv)
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, attn_metadata, cos_sin)
+            if residual is None:
+                residual, x = x, self.input_layernorm(x)
+            else:
+                x, residual = self.input_layernorm(x, residual)
+            x = attn(positions, x, attn_metadata, cos_sin)
+        if isinstance(self.mlp, LlamaMLP) and fuses_into(self.post_attention_layernorm, self.mlp.gate_up_proj, x):
+            # norm, gate_up projection and SiLU-and-mul in one kernel: [T, hidden] -> [T, I]
+            h, residual = norm_linear(x, residual, self.post_attention_layernorm, self.mlp.gate_up_proj,
+                                      silu_mul=True)
+            return self.mlp.down_proj(h), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
