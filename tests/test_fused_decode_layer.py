@@ -126,7 +126,7 @@ def test_kernels_per_graphed_decode_layer_gpu(preset):
         counts[layers] = gpu_kernels(decode_step(model, batch=1, context=4096))
     n = per_layer(counts[2], counts[4], 2, 4)
     print(f"{preset}: {n:g} CUDA kernels per graphed decode layer; {dict(counts[4] - counts[2])}")
-    assert n <= 9
+    assert 5 <= n <= 9  # at least the attention and the 4 projections: the profiler saw the graph's kernels
 
 
 @pytest.mark.gpu

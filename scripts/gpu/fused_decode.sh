@@ -11,9 +11,9 @@ export PYTHONUNBUFFERED=1
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; git log -1 --format=%h 2>/dev/null
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
   | tee "$OUT/fused-tests.log"
-timeout "${TEST_TIMEOUT:-110}" python3 -m pytest -q -x -p no:cacheprovider -rs --durations=8 \
-  tests/test_kernels_rope_store_kv.py tests/test_kernels_skinny_gemm.py tests/test_fused_decode_layer.py \
-  tests/test_kernels_fused.py "tests/test_kernels_attention.py::test_flash_decode_real_shapes_gpu" \
-  "tests/test_kernels_attention.py::test_flash_decode_merge_in_a_cuda_graph_gpu" -s 2>&1 \
+timeout "${TEST_TIMEOUT:-110}" python3 -m pytest -q -p no:cacheprovider -rfs --durations=8 \
+  tests/test_kernels_rope_store_kv.py tests/test_kernels_skinny_gemm.py tests/test_kernels_fused.py \
+  "tests/test_kernels_attention.py::test_flash_decode_real_shapes_gpu" \
+  "tests/test_kernels_attention.py::test_flash_decode_merge_in_a_cuda_graph_gpu" tests/test_fused_decode_layer.py -s 2>&1 \
   | grep -v "^$" | tail -60 | tee -a "$OUT/fused-tests.log"
 timeout "${BENCH_TIMEOUT:-150}" python3 scripts/gpu/fused_decode.py 2>&1 | tee "$OUT/fused-bench.log"
