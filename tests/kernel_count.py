@@ -1,6 +1,7 @@
 """Kernels per decode layer, counted from the code (chapter 13: at batch 1 a small model's step costs
 about a launch per kernel, so the count is the figure to bring down).
 
+    preset_model(name, layers)           a preset's real shapes, dummy weights, cut to a few layers
     decode_step(model, batch, context)   a paged KV cache bound to the model, one decode step's inputs
                                          (padding rows with slot -1 when pad > 0), and a closure that
                                          runs the forward pass and the logits of the real rows
@@ -28,6 +29,19 @@ from minillm.layers.attention import Attention
 
 # aten ops that allocate or reinterpret memory without a kernel of their own
 _NO_KERNEL = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh", "set_", "resize_", "promote_types"}
+
+
+def preset_model(name: str, layers: int | None = None, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cuda"):
+    """A preset's real shapes (minillm/config.py PRESETS) with dummy weights, cut to `layers` layers."""
+    from minillm.config import preset
+    from minillm.loader import load_model
+
+    config = preset(name)
+    if layers is not None:
+        config = config.with_(num_layers=layers, sliding_windows=config.sliding_windows[:layers])
+    model, _, _ = load_model(config, load_format="dummy", dtype=dtype, device=torch.device(device))
+    return model
 
 
 def decode_step(model, batch: int, context: int, *, block_size: int = 16, pad: int = 0, seed: int = 0,

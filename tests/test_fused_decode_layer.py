@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 import torch
-from kernel_count import cpu_launches, decode_step, gpu_kernels, per_layer
+from kernel_count import cpu_launches, decode_step, gpu_kernels, per_layer, preset_model
 from tiny_models import random_model
 
 import minillm.kernels.flash_decode as flash_decode_kernels
@@ -69,6 +69,12 @@ def test_kernels_per_decode_layer(seed, arch, monkeypatch):
     n, which = _launches_per_layer(arch, seed)
     print(f"{arch}: {n:g} launches per decode layer, fused: {dict(which)}")
     assert which == FUSED_LAYER and n == 6
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not INTERPRETED, reason="counts the interpreter's launches (the GPU test counts kernels)")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_kernels_per_decode_layer_before_the_fusions(seed, arch, monkeypatch):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(layernorm, "_skinny_on", False)
         n, which = _launches_per_layer(arch, seed)
@@ -80,12 +86,14 @@ def test_kernels_per_decode_layer(seed, arch, monkeypatch):
     assert before == (13 if arch == "qwen3" else 11)  # + combine, rotary and store_kv apart (+ 2 QK-norms)
 
 
+@pytest.mark.parametrize("skinny", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_fused_decode_step_matches_the_pytorch_path(seed, arch):
-    """Logits of a decode step with a padding row: Triton (rope_store_kv, merge in the kernel) vs the
-    PyTorch references, fp32; and the cache rows the step wrote are the same."""
+def test_fused_decode_step_matches_the_pytorch_path(seed, arch, skinny, monkeypatch):
+    """Logits of a decode step with a padding row: Triton (rope_store_kv, merge in the kernel, with or
+    without the skinny GEMM) vs the PyTorch references, fp32; and the cache rows the step wrote."""
     if not INTERPRETED and not torch.cuda.is_available():
         pytest.skip("needs the interpreter or a GPU")
+    monkeypatch.setattr(layernorm, "_skinny_on", skinny)
     model = _model(arch, 2, seed)
     if not INTERPRETED:
         model = model.cuda()
@@ -116,14 +124,9 @@ def test_fused_decode_step_matches_the_pytorch_path(seed, arch):
 @pytest.mark.parametrize("preset", ["smollm2-135m", "qwen3-0.6b"])
 def test_kernels_per_graphed_decode_layer_gpu(preset):
     """The real shapes, dummy weights, bf16, batch 1: CUDA kernels per layer in one graph replay."""
-    from minillm.config import preset as make_preset
-    from minillm.loader import load_model
-
     counts = {}
     for layers in (2, 4):
-        config = make_preset(preset).with_(num_layers=layers)
-        model, _, _ = load_model(config, load_format="dummy", dtype=torch.bfloat16, device=torch.device("cuda"))
-        counts[layers] = gpu_kernels(decode_step(model, batch=1, context=4096))
+        counts[layers] = gpu_kernels(decode_step(preset_model(preset, layers), batch=1, context=4096))
     n = per_layer(counts[2], counts[4], 2, 4)
     print(f"{preset}: {n:g} CUDA kernels per graphed decode layer; {dict(counts[4] - counts[2])}")
     assert 5 <= n <= 9  # at least the attention and the 4 projections: the profiler saw the graph's kernels
@@ -131,16 +134,14 @@ def test_kernels_per_graphed_decode_layer_gpu(preset):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("skinny", [False, True])
 @pytest.mark.parametrize("preset", ["smollm2-135m", "qwen3-0.6b"])
-def test_graphed_fused_step_matches_the_pytorch_path_gpu(preset):
+def test_graphed_fused_step_matches_the_pytorch_path_gpu(preset, skinny, monkeypatch):
     """The real shapes (2 layers, dummy weights, fp32), batch 4 with a padding row over 4096-key tables
     (FlashDecoding splits, merged in-kernel): one CUDA-graph replay of the fused step gives the PyTorch
     path's logits."""
-    from minillm.config import preset as make_preset
-    from minillm.loader import load_model
-
-    config = make_preset(preset).with_(num_layers=2)
-    model, _, _ = load_model(config, load_format="dummy", dtype=torch.float32, device=torch.device("cuda"))
+    monkeypatch.setattr(layernorm, "_skinny_on", skinny)
+    model = preset_model(preset, 2, torch.float32)
     step = decode_step(model, batch=4, context=4096, pad=1, seed=3)
     with torch.inference_mode():
         with kernel_mode("torch"):

@@ -79,8 +79,16 @@ def test_same_bits_as_the_unfused_kernels(seed, dtype, qk_norm, T, Hq, Hkv, D):
     out = rope_store_kv(q, k, v, cos, sin, kc, vc, slots, q_norm_weight=qw, k_norm_weight=kw, eps=1e-6)
     assert out is q  # rotated in place, in the qkv buffer
     assert torch.equal(k, k0) and torch.equal(v, v0)  # k and v only read
+    assert torch.equal(vc, vc2)  # v copied; padding rows wrote nothing either
+    if dtype == torch.float32 and not INTERPRETED:
+        # fp32 on a GPU keeps no rounding to hide where the compiler contracted a * cos - b * sin into
+        # an FMA, and the two kernels may contract it differently (seen on an H100): an ulp or two of
+        # the terms. Half precision rounds that away (exact above and below).
+        for got, want in ((q, want_q), (kc, kc2)):
+            torch.testing.assert_close(got, want, rtol=0, atol=4 * torch.finfo(dtype).eps * want.abs().max().item())
+        return
     assert torch.equal(q, want_q)
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # padding rows wrote nothing either
+    assert torch.equal(kc, kc2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

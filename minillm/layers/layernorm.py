@@ -23,8 +23,9 @@ from .backend import use_triton
 from .quantization import UnquantizedLinearMethod
 
 # Chapter 13's fused decode layer: RMSNorm inside the next projection's kernel for <= 8 tokens
-# (norm_linear below). MINILLM_SKINNY_GEMM=0 turns it off (cuBLAS GEMMs and separate norms).
-_skinny_on = os.environ.get("MINILLM_SKINNY_GEMM", "1") != "0"
+# (norm_linear below), on with MINILLM_SKINNY_GEMM=1 (or set_skinny_gemm(True)). Off by default until a
+# GPU run shows the graphed step faster with it than with cuBLAS (scripts/gpu/fused_decode.sh bench).
+_skinny_on = os.environ.get("MINILLM_SKINNY_GEMM", "0") == "1"
 
 
 def set_skinny_gemm(on: bool) -> None:

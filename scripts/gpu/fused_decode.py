@@ -25,19 +25,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 import triton
-from kernel_count import decode_step, gpu_kernels, per_layer
+from kernel_count import decode_step, gpu_kernels, per_layer, preset_model
 
 import minillm.kernels.flash_decode as fd
 import minillm.layers.attention as attention
 import minillm.layers.layernorm as layernorm
-from minillm.config import preset
 from minillm.kernels.activation import silu_and_mul
 from minillm.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from minillm.kernels.rope_store_kv import rope_store_kv
 from minillm.kernels.rotary import apply_rotary_
 from minillm.kernels.skinny_gemm import skinny_gemm
 from minillm.kernels.store_kv import store_kv
-from minillm.loader import load_model
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -131,11 +129,7 @@ def bench_skinny(M, H, N, what) -> dict:
 
 
 def model_of(name: str, layers: int | None = None):
-    cfg = preset(name)
-    if layers:
-        cfg = cfg.with_(num_layers=layers)
-    model, _, _ = load_model(cfg, load_format="dummy", dtype=BF16, device=DEV)
-    return model
+    return preset_model(name, layers, BF16, DEV)
 
 
 class Variant:
@@ -147,8 +141,7 @@ class Variant:
     def __enter__(self):
         self.saved = [(layernorm, "_skinny_on", layernorm._skinny_on), (attention, "fusable", attention.fusable),
                       (fd, "flash_decode", fd.flash_decode)]
-        if self.name != "fused":
-            layernorm._skinny_on = False
+        layernorm._skinny_on = self.name == "fused"  # whatever MINILLM_SKINNY_GEMM says
         if self.name == "unfused":
             attention.fusable = lambda *a: False
             split = self.saved[2][2]
