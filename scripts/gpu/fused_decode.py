@@ -175,9 +175,10 @@ def main():
                 counts = {n: gpu_kernels(decode_step(model_of(name, n), batch=1, context=4096)) for n in (2, 4)}
             n = per_layer(counts[2], counts[4], 2, 4)
             result["kernels_per_layer"][f"{name} {variant}"] = dict(
-                per_layer=n, per_step_4_layers=sum(counts[4].values()), layer=dict(counts[4] - counts[2]))
-            print(f"{name:14s} {variant:10s} {n:5.2f} kernels per graphed decode layer: {dict(counts[4] - counts[2])}",
-                  flush=True)
+                per_layer=n, per_step_4_layers=sum(counts[4].values()),
+                layer={k: v / 2 for k, v in (counts[4] - counts[2]).items()})  # one layer's kernels, by name
+            print(f"{name:14s} {variant:10s} {n:5.2f} kernels per graphed decode layer: "
+                  f"{result['kernels_per_layer'][f'{name} {variant}']['layer']}", flush=True)
             torch.cuda.empty_cache()
     save(out, result)
 
