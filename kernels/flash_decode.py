@@ -21,6 +21,14 @@ share of the total denominator, exp(lse_s) / sum_t exp(lse_t), so
 sequence in a batch of long ones) has lse = -inf and weight 0. choose_num_splits picks the number of
 slices: enough programs for about two waves over the SMs, none when batch x heads already fills it.
 
+The merge need not be a second launch (chapter 13). At batch 1 a launch costs as much as the work,
+and a CUDA graph must size the grid from the block table's width, not from the sequence's length, so
+it splits even a short context. So each program, having stored its partial, takes a ticket from an
+atomic counter for its (sequence, KV head); the one that draws the last ticket knows every other
+split's partial is written, merges them (the same sum, as an online softmax over the splits) and
+resets the counter to 0 for the next launch. The stores are ordered before the ticket by a barrier
+and the atomic's release; the merger's loads after its acquire, bypassing L1.
+
 Reading each KV head once. With grouped-query attention, Hq / Hkv query heads share one KV head. A
 program serves the whole group: it loads the group's query rows as one [BLOCK_H, D] tile (padded to
 16 rows, the least tl.dot takes; the padding rows are zeros and never stored) and multiplies every
@@ -71,6 +79,7 @@ def _configs() -> list[triton.Config]:
 def _flash_decode_split(
     Q, K, V, Out, O_part, Lse_part,  # q, out [B, Hq, D]; caches; partials [B, Hq, S, D], [B, Hq, S]
     seqused_k, block_table,  # int32 [B], [B, max_blocks]
+    Counters,  # int32 [>= B * Hkv], zero between launches (FUSED_COMBINE): splits finished per (b, kv_head)
     K_scale, V_scale,  # fp32 [Hkv]: a quantized cache's scales (None otherwise)
     stride_q_seq, stride_q_head,
     stride_k_blk, stride_k_tok, stride_k_head,
@@ -79,7 +88,7 @@ def _flash_decode_split(
     num_heads, group, block_size, window, num_splits, qk_scale,
     keys_bucket,  # not used by the kernel: part of the autotuning key only
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, HAS_WINDOW: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-    IEEE: tl.constexpr, QUANT_KV: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr, QUANT_KV: tl.constexpr, FUSED_COMBINE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -147,6 +156,40 @@ def _flash_decode_split(
         tl.store(O_part + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
                  mask=head_ok[:, None])
         tl.store(Lse_part + row, tl.where(empty, float("-inf"), m_i + tl.log2(l_safe)), mask=head_ok)
+        if FUSED_COMBINE:  # the last split of (b, kv_head) to finish merges them all: no second kernel
+            # Every thread's partial stores are issued before the counter moves (the barrier), and the
+            # atomic's release/acquire orders them for the program that draws the last ticket.
+            tl.debug_barrier()
+            counter = Counters + b * tl.num_programs(1) + kv_head
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == num_splits - 1:
+                _merge_splits(O_part, Lse_part, Out, b, heads, head_ok, offs_d, num_heads, num_splits,
+                              stride_o_seq, stride_o_head, HEAD_DIM)
+                tl.store(counter, 0)  # zero again for the next launch (a CUDA graph replays this one)
+
+
+@triton.jit
+def _merge_splits(O_part, Lse_part, Out, b, heads, head_ok, offs_d, num_heads, num_splits,
+                  stride_o_seq, stride_o_head, HEAD_DIM: tl.constexpr):
+    """out = sum_s w_s o_s over the splits of these heads [BLOCK_H], as an online merge: split 0
+    (never empty) sets the running max, the others rescale it (an empty split's lse is -inf: weight 0).
+    The partials were written by other programs in this launch: loaded past L1 (.cg)."""
+    rows = (b * num_heads + heads).to(tl.int64) * num_splits  # [BLOCK_H] into [B, Hq, S]
+    m = tl.load(Lse_part + rows, mask=head_ok, other=0.0, cache_modifier=".cg")  # [BLOCK_H], base 2
+    l = tl.full(m.shape, 1.0, tl.float32)
+    acc = tl.load(O_part + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=head_ok[:, None], other=0.0,
+                  cache_modifier=".cg")  # [BLOCK_H, HEAD_DIM]
+    for s in range(1, num_splits):
+        lse = tl.load(Lse_part + rows + s, mask=head_ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(O_part + (rows + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=head_ok[:, None],
+                    other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)  # finite: m is
+        alpha, w = tl.exp2(m - m_new), tl.exp2(lse - m_new)
+        l = l * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o
+        m = m_new
+    tl.store(Out + b.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
+             (acc / l[:, None]).to(Out.dtype.element_ty), mask=head_ok[:, None])
 
 
 @triton.jit
@@ -201,13 +244,30 @@ def _check_decode(q, k_cache, v_cache, seqused_k, block_table, sliding_window, n
         raise ValueError(f"num_splits must be None (choose) or a positive int, got {num_splits!r}")
 
 
+# Per device: one int32 counter per (sequence, KV head), zero between launches (the merging program
+# zeroes its own again). Old buffers are kept: a captured CUDA graph holds their addresses.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least n counters, made once per device (before any capture: the
+    engine's warm-up runs each shape eagerly first) and reused by every layer and step after."""
+    kept = _COUNTERS.setdefault(device, [])
+    if not kept or kept[-1].numel() < n:
+        kept.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return kept[-1]
+
+
 def flash_decode(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=None, sliding_window=None,
-                 num_splits=None, k_scale=None, v_scale=None):
+                 num_splits=None, k_scale=None, v_scale=None, fused_combine=True):
     """One query per sequence over its cached keys: q [B, Hq, D] -> out [B, Hq, D] in q's dtype.
 
     Caches [num_blocks, block_size, Hkv, D]; seqused_k [B] int32 counts each sequence's keys, the new
     token's included; block_table [B, max_blocks] int32. num_splits: None chooses (choose_num_splits).
-    An fp8/int8 cache needs k_scale, v_scale (fp32 [Hkv]).
+    An fp8/int8 cache needs k_scale, v_scale (fp32 [Hkv]). fused_combine: with several splits, the
+    last split of each (sequence, KV head) to finish merges them (one launch; launches on one device
+    must then not run concurrently on two streams, as they share the counters); False launches
+    chapter 04's separate combine kernel.
     """
     _check_decode(q, k_cache, v_cache, seqused_k, block_table, sliding_window, num_splits, True, k_scale, v_scale)
     B, Hq, D = q.shape
@@ -228,22 +288,24 @@ def flash_decode(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=N
         lse_part = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
     scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
     group = Hq // Hkv
+    fused = fused_combine and not single
+    counters = split_counters(q.device, B * Hkv) if fused else None
     _flash_decode_split[(num_splits, Hkv, B)](
-        q, k_cache, v_cache, out, o_part, lse_part, seqused_k, block_table, k_scale, v_scale,
+        q, k_cache, v_cache, out, o_part, lse_part, seqused_k, block_table, counters, k_scale, v_scale,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(1),
         block_table.stride(0), Hq, group, block_size, sliding_window or 0, num_splits, scale * LOG2E,
         min(max(16, triton.next_power_of_2(triton.cdiv(max_keys, num_splits))), 8192),
         HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)), HAS_WINDOW=sliding_window is not None,
-        SINGLE_SPLIT=single, IEEE=q.dtype == torch.float32, QUANT_KV=k_scale is not None,
+        SINGLE_SPLIT=single, IEEE=q.dtype == torch.float32, QUANT_KV=k_scale is not None, FUSED_COMBINE=fused,
     )
-    if not single:
+    if not single and not fused:
         _flash_decode_combine[(B, Hq)](o_part, lse_part, out, out.stride(0), out.stride(1), Hq, num_splits,
                                        HEAD_DIM=D, SPLITS=triton.next_power_of_2(num_splits))
     return out
 
 
 def flash_decode_ref(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=None, sliding_window=None,
-                     num_splits=None, k_scale=None, v_scale=None):
+                     num_splits=None, k_scale=None, v_scale=None, fused_combine=True):
     """flash_decode in plain PyTorch: each sequence's keys gathered (and dequantized, for an fp8/int8
     cache), then flash_attn's reference, fp32. num_splits is accepted for a matching signature;
     splitting does not change the result."""

@@ -38,9 +38,10 @@ def _rms_norm_kernel(
     res_ptr,  # [T, H], rows stride_res apart (unused without HAS_RESIDUAL)
     w_ptr,  # [H]
     out_ptr,  # [T, H] contiguous
-    new_res_ptr,  # [T, H] contiguous (unused without HAS_RESIDUAL)
+    new_res_ptr,  # [T, H], rows stride_new_res apart (unused without HAS_RESIDUAL); may be res_ptr
     stride_x,
     stride_res,
+    stride_new_res,
     H,
     eps,
     HAS_RESIDUAL: tl.constexpr,
@@ -56,7 +57,8 @@ def _rms_norm_kernel(
         # Add in fp32 and round to x's dtype, as PyTorch's `x + residual` does: the norm below reads the
         # rounded sum, the same numbers the next layer will add to.
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(new_res_ptr + row.to(tl.int64) * H + cols, x, mask=mask)
+        # In place (new_res_ptr == res_ptr) is safe: this program has read its whole row already.
+        tl.store(new_res_ptr + row.to(tl.int64) * stride_new_res + cols, x, mask=mask)
     xf = x.to(tl.float32)  # [BLOCK]; masked lanes are 0 and add nothing to the sum
     # Divide by H, not BLOCK: the padding lanes are not part of the row.
     mean_sq = tl.sum(xf * xf, axis=0) / H  # scalar
@@ -77,7 +79,7 @@ def rms_norm(
     """
     # x and residual: [T, H] float tensors whose rows may be strided but whose last dim is contiguous.
     check_float_tensor("x", x, dims=2, layout="[num_tokens, hidden]")
-    T, H = x.shape
+    H = x.shape[1]
     if not isinstance(weight, torch.Tensor) or weight.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"weight must be a float16, bfloat16 or float32 tensor, got {getattr(weight, 'dtype', weight)}"
@@ -95,11 +97,40 @@ def rms_norm(
         if residual.device != x.device:
             raise ValueError(f"residual is on {residual.device} but x is on {x.device}")
 
+    new_res = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+    out = _launch(x, weight, eps, residual, new_res)
+    return out if residual is None else (out, new_res)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """vLLM's fused_add_rms_norm: residual += x (in place, rounded to its dtype), and returns
+    norm(residual) as a new tensor; one launch. x, residual: [T, H] of one dtype, last dim contiguous.
+
+    The model's layers use `rms_norm(x, w, eps, residual)` instead, which leaves the residual it was
+    given untouched: a caller may run a block twice on the same inputs (quantization calibration does).
+    """
+    for name, t in (("x", x), ("residual", residual)):
+        check_float_tensor(name, t, dims=2, layout="[num_tokens, hidden]")
+    if residual.shape != x.shape:
+        raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    rms_norm(x[:0], weight, eps, residual[:0])  # the weight, dtype and device checks, on no rows
+    return _launch(x, weight, eps, residual, residual)
+
+
+def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> torch.Tensor:
+    """fused_add_rms_norm in plain PyTorch: the same in-place update, the same output."""
+    out, new_res = rms_norm_ref(x, weight, eps, residual)
+    residual.copy_(new_res)
+    return out
+
+
+def _launch(x, weight, eps, residual, new_res) -> torch.Tensor:
+    T, H = x.shape
     weight = weight.contiguous()  # [H]; a no-op for a Parameter
     out = torch.empty((T, H), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    new_res = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else out
     if T == 0:
-        return out if residual is None else (out, new_res)
+        return out
     BLOCK = triton.next_power_of_2(H)
     # Enough warps that each thread holds a few dozen numbers of the row, not hundreds (which spill).
     num_warps = min(max(BLOCK // 512, 1), 8)
@@ -108,16 +139,17 @@ def rms_norm(
         residual if residual is not None else x,  # a placeholder pointer the kernel never reads
         weight,
         out,
-        new_res,
+        new_res if new_res is not None else out,  # (a placeholder without a residual)
         x.stride(0),
         residual.stride(0) if residual is not None else 0,
+        new_res.stride(0) if new_res is not None else 0,
         H,
         float(eps),
         HAS_RESIDUAL=residual is not None,
         BLOCK=BLOCK,
         num_warps=num_warps,
     )
-    return out if residual is None else (out, new_res)
+    return out
 
 
 def rms_norm_ref(

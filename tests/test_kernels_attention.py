@@ -20,6 +20,7 @@ from minillm.kernels.flash_decode import (
     choose_num_splits,
     flash_decode,
     flash_decode_ref,
+    split_counters,
 )
 
 GPU = torch.cuda.is_available()
@@ -198,13 +199,16 @@ def test_flash_attn_random_case(seed):
 # ---- FlashDecoding ------------------------------------------------------------------------------
 
 
-def check_decode(gen, block_size, Hq, Hkv, D, seq_lens, window, num_splits, dtype=torch.float32):
+def check_decode(gen, block_size, Hq, Hkv, D, seq_lens, window, num_splits, dtype=torch.float32,
+                 fused_combine=True):
     k_cache, v_cache, table = make_cache(gen, seq_lens, Hkv, D, dtype, block_size)
     q = randn(gen, len(seq_lens), Hq, D, dtype=dtype)
     seqused = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     kw = dict(sliding_window=window, num_splits=num_splits)
-    assert_close(flash_decode(q, k_cache, v_cache, seqused, table, **kw),
+    assert_close(flash_decode(q, k_cache, v_cache, seqused, table, fused_combine=fused_combine, **kw),
                  flash_decode_ref(q, k_cache, v_cache, seqused, table, **kw), dtype)
+    # The merging programs left every counter at zero for the next launch.
+    assert not split_counters(q.device, 1).any()
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, None])
@@ -218,6 +222,13 @@ def check_decode(gen, block_size, Hq, Hkv, D, seq_lens, window, num_splits, dtyp
 def test_flash_decode(seed, num_splits, block_size, Hq, Hkv, D, seq_lens, window):
     # A 1-key sequence with 3 splits, or 8 keys in 16-key tiles, leaves splits with no keys at all.
     check_decode(torch.Generator().manual_seed(seed), block_size, Hq, Hkv, D, seq_lens, window, num_splits)
+
+
+@pytest.mark.parametrize("fused_combine", [True, False])
+def test_flash_decode_merge_in_kernel_or_apart(seed, fused_combine):
+    # The last split to finish merges (one launch), or chapter 04's combine kernel does (two).
+    check_decode(torch.Generator().manual_seed(seed), 16, 6, 2, 64, [45, 3, 29], None, num_splits=3,
+                 fused_combine=fused_combine)
 
 
 def test_flash_decode_more_splits_than_tiles(seed):
@@ -341,11 +352,34 @@ def test_flash_attn_real_shapes_gpu(seed, Hq, Hkv, D, mode):
 @pytest.mark.parametrize("Hq,Hkv,D", MODEL_SHAPES)
 @pytest.mark.parametrize("block_size,num_splits,window", [(16, None, None), (4096, None, None), (16, 1, None),
                                                          (16, 5, None), (4096, None, 1000)])
-def test_flash_decode_real_shapes_gpu(seed, Hq, Hkv, D, block_size, num_splits, window):
+@pytest.mark.parametrize("fused_combine", [True, False])
+def test_flash_decode_real_shapes_gpu(seed, Hq, Hkv, D, block_size, num_splits, window, fused_combine):
     rng = random.Random(seed)
     seq_lens = [1, 4096] + [rng.randint(1000, 4096) for _ in range(6)]
     check_decode(torch.Generator().manual_seed(seed), block_size, Hq, Hkv, D, seq_lens, window, num_splits,
-                 dtype=torch.bfloat16)
+                 dtype=torch.bfloat16, fused_combine=fused_combine)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("Hq,Hkv,D", MODEL_SHAPES)
+def test_flash_decode_merge_in_a_cuda_graph_gpu(seed, Hq, Hkv, D):
+    # Batch 1 over a 4096-key table, as a graphed decode step has it: many splits, merged in-kernel.
+    # Replayed for new lengths and queries, each replay must equal the reference: the counters reset.
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, table = make_cache(gen, [4096], Hkv, D, torch.bfloat16, 16)
+    q = randn(gen, 1, Hq, D, dtype=torch.bfloat16)
+    seqused = torch.tensor([4096], dtype=torch.int32, device=DEVICE)
+    flash_decode(q, k_cache, v_cache, seqused, table)  # compile and autotune outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_decode(q, k_cache, v_cache, seqused, table)
+    for n in [1, 37, 700, 4096, 2049]:
+        seqused.fill_(n)
+        q.copy_(randn(gen, 1, Hq, D, dtype=torch.bfloat16))
+        graph.replay()
+        assert_close(out, flash_decode_ref(q, k_cache, v_cache, seqused, table), torch.bfloat16)
+    assert not split_counters(q.device, 1).any()
 
 
 def test_fp32_autotuning_keeps_only_the_smallest_tile():

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from minillm.kernels.activation import silu_and_mul, silu_and_mul_ref
-from minillm.kernels.rms_norm import rms_norm, rms_norm_ref
+from minillm.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from minillm.kernels.rotary import apply_rotary_, apply_rotary_ref
 
 # tests/conftest.py turns the interpreter on when there is no GPU; otherwise the kernels run natively.
@@ -140,6 +140,32 @@ def test_rms_norm_strided_rows_random_values(seed, dtype):
             assert_close_ulps(out, ref_out, 8)
         else:  # ... which flips the rounded normalized x now and then: up to two ulps after the weight
             assert_close_ulps(out, ref_out, 2, min_exact=0.99)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_updates_the_residual_in_place(seed, dtype):
+    # vLLM's semantics: residual <- x + residual where it lies (a strided view here), normed output new.
+    g = torch.Generator().manual_seed(seed)
+    T, H = 5, 136
+    x = on_grid(g, T, H, dtype=dtype)
+    buf = on_grid(g, T, H + 24, dtype=dtype)
+    res = buf[:, 8 : 8 + H]  # [5, 136], row stride 160
+    weight = randn(g, H, dtype=dtype, scale=0.3) + 1
+    res_ref, buf0 = res.clone(), buf.clone()
+    ref = fused_add_rms_norm_ref(x, res_ref, weight, 1e-5)
+    out = fused_add_rms_norm(x, res, weight, 1e-5)
+    assert out.shape == (T, H) and out.data_ptr() != res.data_ptr()
+    assert torch.equal(buf[:, :8], buf0[:, :8]) and torch.equal(buf[:, 8 + H :], buf0[:, 8 + H :])  # only res
+    if INTERPRETED and dtype == torch.bfloat16:  # truncation, as in the test above
+        assert_close_ulps(res, res_ref, 1)
+        assert_close_ulps(out, ref, 6)
+    else:
+        assert torch.equal(res, res_ref)
+        assert_close_ulps(out, ref, 0 if INTERPRETED else 2, min_exact=0.99)
+    with pytest.raises(ValueError, match="residual must have x's shape"):
+        fused_add_rms_norm(x, res[:2], weight, 1e-5)
+    with pytest.raises(TypeError, match="residual must have x's dtype"):
+        fused_add_rms_norm(x, res.float() if dtype != torch.float32 else res.half(), weight, 1e-5)
 
 
 def test_rms_norm_no_rows():

@@ -28,7 +28,10 @@ from ..cache.spec import KVCacheSpec
 from ..kernels import flash_attn, flash_decode
 from ..kernels import store_kv as _store
 from ..kernels.checks import KV_QUANT_DTYPES
+from ..kernels.rope_store_kv import rope_store_kv
 from .backend import use_triton
+from .layernorm import RMSNorm
+from .rotary_embedding import apply_rotary
 
 
 @dataclass
@@ -86,7 +89,11 @@ def packed_attention_mask(positions: torch.Tensor, cu_seqlens: torch.Tensor,
 
 
 class Attention(nn.Module):
-    """softmax(q k^T * scale + mask) v for every sequence of the packed batch; q, k already rotated.
+    """softmax(q k^T * scale + mask) v for every sequence of the packed batch.
+
+    q and k arrive rotated, or (given cos_sin, and q_norm/k_norm for Qwen3) raw: the layer then
+    normalizes and rotates them itself, which with a KV cache on the Triton path is one kernel that
+    also writes the cache (`minillm.kernels.rope_store_kv`, chapter 13) instead of three or four.
 
     Three paths, one result:
       - with a KV cache (metadata has a slot_mapping): store the new K/V, then attend over the cache:
@@ -115,32 +122,52 @@ class Attention(nn.Module):
         """What this layer caches per token: a key and a value per KV head (fp8/int8: with scales)."""
         return KVCacheSpec(self.num_kv_heads, self.head_dim, dtype, has_scales=dtype in KV_QUANT_DTYPES)
 
+    def fuses_rope(self, q: torch.Tensor, attn_metadata: AttentionMetadata, cos_sin, q_norm: RMSNorm | None,
+                   k_norm: RMSNorm | None) -> bool:
+        """Whether forward should be handed q and k raw, with cos_sin (and the norms), to rotate them in
+        the kernel that writes the cache: with a cache, on the Triton path, and with no forward pre-hook
+        on this layer (KV calibration and the bf16 control read k from its arguments, rotated)."""
+        return (attn_metadata.uses_cache and self.kv_cache is not None and not self._forward_pre_hooks
+                and fusable(q, cos_sin, q_norm, k_norm))
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
         # q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]
+        # cos_sin: [T, 1, head_dim] each, to rotate q and k here (None: they are rotated already)
         T, m = q.shape[0], attn_metadata
         if m.uses_cache:
-            return self._cached(q, k, v, m).reshape(T, self.num_heads * self.head_dim)
+            return self._cached(q, k, v, m, cos_sin, q_norm, k_norm).reshape(T, self.num_heads * self.head_dim)
+        if cos_sin is not None:
+            q, k = rotate(q, k, cos_sin, q_norm, k_norm)
         if use_triton(q):
             out = flash_attn.flash_attn_varlen(q, k, v, m.cu_seqlens, m.max_seqlen, cu_seqlens_k=m.cu_seqlens,
                                                softmax_scale=self.scale, sliding_window=self.sliding_window)
             return out.reshape(T, self.num_heads * self.head_dim)
         return self._sdpa(q, k, v, positions, m)
 
-    def _cached(self, q, k, v, m: AttentionMetadata) -> torch.Tensor:
+    def _cached(self, q, k, v, m: AttentionMetadata, cos_sin, q_norm, k_norm) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError("attention metadata has a slot_mapping but no KV cache is bound to this layer")
         k_cache, v_cache = self.kv_cache  # [num_blocks, block_size, Hkv, D] each
-        scales = {}
-        if k_cache.dtype in KV_QUANT_DTYPES:  # fp8/int8: quantized on write, dequantized in the kernels
-            if self.kv_scale_qmax is None:
-                raise RuntimeError(f"a {k_cache.dtype} KV cache is bound but this layer's k_scale/v_scale were "
-                                   "never calibrated (minillm.layers.quantization.kv_cache.calibrate_kv_scales)")
-            store_kv(k, v, k_cache, v_cache, m.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
-            q = fold_k_scale(q, self.k_scale)  # the keys' per-channel scales, applied to the query instead
-            scales = dict(k_scale=self.unit_k_scale, v_scale=self.v_scale)
+        quantized = k_cache.dtype in KV_QUANT_DTYPES  # fp8/int8: quantized on write, dequantized in the kernels
+        if quantized and self.kv_scale_qmax is None:
+            raise RuntimeError(f"a {k_cache.dtype} KV cache is bound but this layer's k_scale/v_scale were "
+                               "never calibrated (minillm.layers.quantization.kv_cache.calibrate_kv_scales)")
+        write_scales = dict(k_scale=self.k_scale, v_scale=self.v_scale) if quantized else {}
+        if cos_sin is not None and fusable(q, cos_sin, q_norm, k_norm):
+            # One launch: (QK-norm,) RoPE, the cache write (quantized), the keys' scales folded into q.
+            norms = {} if q_norm is None else dict(q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight,
+                                                   eps=q_norm.eps)
+            q = rope_store_kv(q, k, v, *cos_sin, k_cache, v_cache, m.slot_mapping, fold_k_scale=quantized,
+                              **norms, **write_scales)
         else:
-            store_kv(k, v, k_cache, v_cache, m.slot_mapping)
+            if cos_sin is not None:
+                q, k = rotate(q, k, cos_sin, q_norm, k_norm)
+            store_kv(k, v, k_cache, v_cache, m.slot_mapping, **write_scales)
+            if quantized:
+                q = fold_k_scale(q, self.k_scale)  # the keys' per-channel scales, applied to the query instead
+        scales = dict(k_scale=self.unit_k_scale, v_scale=self.v_scale) if quantized else {}
         triton = use_triton(q)
         if m.max_seqlen == 1:  # decode: one query per sequence over its whole cached past
             decode = flash_decode.flash_decode if triton else flash_decode.flash_decode_ref
@@ -162,6 +189,24 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_metadata.mask(positions, self.sliding_window),
                                                  scale=self.scale)
         return out.transpose(0, 1).reshape(q.shape[1], self.num_heads * self.head_dim)  # [T, heads * head_dim]
+
+
+def rotate(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+           q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused path: Qwen3's per-head norms (if any), then RoPE on q [T, Hq, D] and k [T, Hkv, D]."""
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    return apply_rotary(q, k, *cos_sin)
+
+
+def fusable(q: torch.Tensor, cos_sin, q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> bool:
+    """Whether rope_store_kv can stand in for rotate + store_kv: the Triton path, cos/sin and the
+    norms' weights in q's dtype, the two norms alike (one eps)."""
+    if not use_triton(q) or any(t.dtype != q.dtype for t in cos_sin):
+        return False
+    if q_norm is None or k_norm is None:
+        return q_norm is None and k_norm is None
+    return q_norm.weight.dtype == k_norm.weight.dtype == q.dtype and q_norm.eps == k_norm.eps
 
 
 def fold_k_scale(q: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:

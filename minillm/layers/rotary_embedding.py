@@ -57,8 +57,19 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for these positions, [T, 1, head_dim] in `dtype` (the model looks them up once
-        per forward pass and hands them to every layer)."""
-        return self.cos_cache[positions].to(dtype)[:, None, :], self.sin_cache[positions].to(dtype)[:, None, :]
+        per forward pass and hands them to every layer).
+
+        One gather, from a [max_positions, 2, head_dim] table already in `dtype` (the fp32 cache rounded
+        once): cos and sin are two views of its rows, token stride 2 * head_dim. A CUDA-graphed step
+        then spends one kernel here, not four (two gathers, two casts)."""
+        # Made on first use per dtype, and again whenever the fp32 cache is recomputed or moved.
+        key = (dtype, self.cos_cache.device, self.cos_cache.data_ptr(), self.sin_cache.data_ptr())
+        table = getattr(self, "_cos_sin_table", None)
+        if table is None or table[0] != key:
+            table = (key, torch.stack((self.cos_cache, self.sin_cache), dim=1).to(dtype))  # [max_pos, 2, D]
+            self._cos_sin_table = table
+        rows = table[1][positions]  # [T, 2, head_dim]
+        return rows[:, 0:1, :], rows[:, 1:2, :]  # [T, 1, head_dim] each, views
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions: [T]; q: [T, num_heads, head_dim]; k: [T, num_kv_heads, head_dim]

@@ -34,8 +34,9 @@ from ..layers import (
     RowParallelLinear,
     SiluAndMul,
     VocabParallelEmbedding,
-    apply_rotary,
 )
+from ..layers.attention import rotate
+from ..layers.layernorm import fuses_into, norm_linear
 from ..layers.quantization import QuantizationConfig
 from .utils import load_weights
 
@@ -59,17 +60,22 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, config.sliding_windows[layer])
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata: AttentionMetadata,
-                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | None, attn_metadata: AttentionMetadata,
+                cos_sin: tuple[torch.Tensor, torch.Tensor], qkv: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, hidden]; or qkv: [T, (Hq + 2 Hkv) * D], the projection already made (norm_linear)
+        qkv = self.qkv_proj(x) if qkv is None else qkv
+        T = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *cos_sin)  # cos/sin of these positions, looked up once per forward
-        return self.o_proj(self.attn(q, k, v, positions, attn_metadata))  # [T, hidden]
+        # QK-norm (Qwen3) and RoPE with cos/sin of these positions (looked up once per forward): with a KV
+        # cache on a GPU, by the attention layer in the launch that writes k and v to the cache (chapter 13).
+        rope = (cos_sin, self.q_norm, self.k_norm)
+        if not self.attn.fuses_rope(q, attn_metadata, *rope):
+            q, k = rotate(q, k, *rope)
+            rope = (None, None, None)
+        return self.o_proj(self.attn(q, k, v, positions, attn_metadata, *rope))  # [T, Hq * D] -> [T, hidden]
 
 
 class LlamaMLP(nn.Module):
@@ -101,12 +107,23 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 attn_metadata: AttentionMetadata, cos_sin: tuple[torch.Tensor, torch.Tensor]):
-        # The residual stream is carried separately so each norm can fuse "add, then normalise".
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
+        # The residual stream is carried separately so each norm can fuse "add, then normalise"; for a
+        # few tokens (decode) the norm also joins the next projection's kernel (chapter 13: norm_linear).
+        attn = self.self_attn
+        if isinstance(attn, LlamaAttention) and fuses_into(self.input_layernorm, attn.qkv_proj, x):
+            qkv, residual = norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
+            x = attn(positions, None, attn_metadata, cos_sin, qkv=qkv)
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, attn_metadata, cos_sin)
+            if residual is None:
+                residual, x = x, self.input_layernorm(x)
+            else:
+                x, residual = self.input_layernorm(x, residual)
+            x = attn(positions, x, attn_metadata, cos_sin)
+        if isinstance(self.mlp, LlamaMLP) and fuses_into(self.post_attention_layernorm, self.mlp.gate_up_proj, x):
+            # norm, gate_up projection and SiLU-and-mul in one kernel: [T, hidden] -> [T, I]
+            h, residual = norm_linear(x, residual, self.post_attention_layernorm, self.mlp.gate_up_proj,
+                                      silu_mul=True)
+            return self.mlp.down_proj(h), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
