@@ -24,14 +24,16 @@ case "$part" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
     python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
     echo "commit ${COMMIT:-unknown}, $(date -u +%F)" | tee -a "$out/gpu.txt"
+    [ -z "${FUSED:-}" ] || run fused-bench 120 python3 scripts/gpu/fused_decode.py
     for m in smollm2-135m qwen3-0.6b; do
-      run "latency-$m" 240 python3 -m minillm bench latency --model $m-dummy --json "$out/latency-$m.json"
+      run "latency-$m" 60 python3 -m minillm bench latency --model $m-dummy ${HF:---no-hf} --json "$out/latency-$m.json"
     done
-    run latency-llama-3-8b 150 python3 -m minillm bench latency --model llama-3-8b-dummy --no-hf --json "$out/latency-llama-3-8b.json"
+    MINILLM_SKINNY_GEMM=1 run latency-smollm2-135m-skinny 45 python3 -m minillm bench latency --model smollm2-135m-dummy --no-hf --json "$out/latency-smollm2-135m-skinny.json"
+    run latency-llama-3-8b 80 python3 -m minillm bench latency --model llama-3-8b-dummy --no-hf --json "$out/latency-llama-3-8b.json"
     for m in smollm2-135m qwen3-0.6b; do
-      run "throughput-$m" 120 python3 -m minillm bench throughput --model $m-dummy --no-hf --json "$out/throughput-$m.json"
+      run "throughput-$m" 60 python3 -m minillm bench throughput --model $m-dummy --no-hf --json "$out/throughput-$m.json"
     done
-    run profile-smollm2 150 python3 -m minillm bench profile --model smollm2-135m-dummy --batch-sizes 1,64,256 --json "$out/profile-smollm2.json"
+    run profile-smollm2 100 python3 -m minillm bench profile --model smollm2-135m-dummy --batch-sizes 1,64,256 --json "$out/profile-smollm2.json"
     ;;
   B)
     install .gpu/nb
