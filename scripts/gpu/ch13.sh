@@ -28,7 +28,7 @@ case "$part" in
     for m in smollm2-135m qwen3-0.6b; do
       run "latency-$m" 60 python3 -m minillm bench latency --model $m-dummy ${HF:---no-hf} --json "$out/latency-$m.json"
     done
-    MINILLM_SKINNY_GEMM=1 run latency-smollm2-135m-skinny 45 python3 -m minillm bench latency --model smollm2-135m-dummy --no-hf --json "$out/latency-smollm2-135m-skinny.json"
+    run latency-smollm2-135m-skinny 45 env MINILLM_SKINNY_GEMM=1 python3 -m minillm bench latency --model smollm2-135m-dummy --no-hf --json "$out/latency-smollm2-135m-skinny.json"
     run latency-llama-3-8b 80 python3 -m minillm bench latency --model llama-3-8b-dummy --no-hf --json "$out/latency-llama-3-8b.json"
     for m in smollm2-135m qwen3-0.6b; do
       run "throughput-$m" 60 python3 -m minillm bench throughput --model $m-dummy --no-hf --json "$out/throughput-$m.json"
