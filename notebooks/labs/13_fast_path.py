@@ -58,7 +58,7 @@ ch13.hint()
 
 # %%
 @triton.jit
-def add_rms_norm_kernel(X, R, W, OUT, NEW_RES, H, eps, BLOCK: tl.constexpr):
+def add_rms_norm(X, R, W, OUT, NEW_RES, H, eps, BLOCK: tl.constexpr):
     ### BEGIN SOLUTION
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)  # [BLOCK]
@@ -77,7 +77,7 @@ def add_rms_norm_kernel(X, R, W, OUT, NEW_RES, H, eps, BLOCK: tl.constexpr):
 
 
 # %% tags=["check"]
-ch13.check_add_rms_norm(add_rms_norm_kernel)
+ch13.check_add_rms_norm(add_rms_norm)
 
 # %% [markdown]
 # ## Exercise 2 — the one-step-late finish rule
