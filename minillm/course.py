@@ -66,6 +66,9 @@ CHAPTERS: tuple[Chapter, ...] = (
             ("minillm/engine/async_llm_engine.py", "minillm/engine/core_client.py", "minillm/engine/core_process.py",
              "minillm/engine/engine_core.py", "minillm/entrypoints/openai/", "minillm/bench/serve.py",
              "minillm/bench/serve_metrics.py", "minillm/bench/serve_overhead.py")),
+    Chapter("13", "The fast path", "13-the-fast-path.md", "13_fast_path", "13_fast_path",
+            ("minillm/executor/", "minillm/worker/", "minillm/engine/overlap_steps.py",
+             "minillm/sampling/device_sampler.py", "minillm/bench/profile.py", "minillm/bench/step_profile.py")),
 )
 
 
