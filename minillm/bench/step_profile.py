@@ -147,7 +147,7 @@ def profile_decode_step(engine, batch_size: int, *, steps: int = 10, warmup: int
         host = _host_split(engine, steps)
         if engine.stats["num_preemptions"] != preempted:
             raise RuntimeError("requests were preempted while profiling: give the engine more KV blocks")
-        layers = getattr(engine.model.config, "num_hidden_layers", None)
+        layers = getattr(engine.model.config, "num_layers", None)  # minillm ModelConfig's name
         return {"device": str(device), "batch_size": batch_size, "steps": steps,
                 "context_len": prompt_len + warmup + steps, "cuda_graphs": engine.runner.use_cuda_graphs,
                 "async_scheduling": engine.async_scheduling, "wall_ms": 1e3 * wall,
