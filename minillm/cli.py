@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
+
+from .entrypoints.openai.cli_args import positive_int  # plain argparse: no server package is imported
 
 
 def _tokenize(args) -> int:
@@ -89,11 +92,12 @@ def _stream(llm, prompt, params) -> str:
 
 
 def _generate(args) -> int:
+    params = _sampling(args)  # a bad --temperature or --top-p fails before the model loads
     llm = _load(args)
     prompt = args.prompt
     if not args.raw and llm.tokenizer.chat_template:
         prompt = _chat_ids(llm, [{"role": "user", "content": prompt}])
-    _stream(llm, prompt, _sampling(args))
+    _stream(llm, prompt, params)
     return 0
 
 
@@ -103,8 +107,8 @@ def _chat(args) -> int:
         return 0
     if hasattr(sys.stdin, "reconfigure"):  # bytes that are not text arrive as lone surrogates, checked below
         sys.stdin.reconfigure(errors="surrogateescape")
+    params, messages = _sampling(args), []  # a bad flag fails before the model loads
     llm = _load(args)
-    params, messages = _sampling(args), []
     print(f"chatting with {llm.config.name} on {llm.device} (an empty line, Ctrl-D or Ctrl-C ends)", file=sys.stderr)
     try:
         while True:
@@ -197,7 +201,16 @@ def _eval_perplexity(args) -> int:
     from .eval import perplexity
     from .llm import LLM
 
-    corpus = load_corpus(args.corpus)
+    if args.corpus is not None:  # a path the user typed: never a place to download into
+        path = Path(args.corpus).expanduser()
+        if path.is_dir():
+            raise ValueError(f"--corpus {path} is a folder; give the corpus text file (or leave --corpus out: "
+                             f"minillm fetches it once to ~/.cache/minillm/)")
+        if not path.is_file():
+            raise ValueError(f"--corpus {path} does not exist; give an existing corpus file (or leave --corpus out: "
+                             f"minillm fetches it once to ~/.cache/minillm/)")
+    _quantization(args)  # a bad --quantization fails now, before the corpus and the model load
+    corpus = load_corpus(args.corpus, download=args.corpus is None)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, enable_kv_cache=False,
               quantization=_quantization(args))
     text = corpus.eval_text() if args.split == "eval" else corpus.calibration_text()
@@ -214,8 +227,9 @@ def _eval_perplexity(args) -> int:
 
 def _quantize(args) -> int:
     from .llm import _device, _dtype
-    from .quantize import quantize_model
+    from .quantize import check_out, quantize_model
 
+    check_out(args.out, args.model, args.overwrite)  # before anything loads: never write into the model
     device = _device(args.device)
     options = {k: v for k, v in (("group_size", args.group_size), ("num_sequences", args.num_sequences),
                                  ("seq_len", args.seq_len)) if v is not None}
@@ -229,17 +243,17 @@ def _quantize(args) -> int:
         if args.method != "gptq":
             raise ValueError("--act-order is a gptq option")
         options["act_order"] = True
-    out = quantize_model(args.model, args.method, options, args.out, dtype=_dtype(args.dtype, device), device=device)
+    out = quantize_model(args.model, args.method, options, args.out, dtype=_dtype(args.dtype, device), device=device,
+                         overwrite=args.overwrite)
     print(f"wrote {out} ({args.method}, {options})")
     return 0
 
 
 def _default_group_size(model) -> int:
     """128 where it divides every linear layer's input size, else 64 (SmolLM2's 576), else 32."""
-    from .loader import _config_of
-    from .model_files import resolve_source
+    from .loader import read_model_config
 
-    c = _config_of(resolve_source(model))
+    c = read_model_config(model)
     sizes = {c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim}
     return next((g for g in (128, 64) if all(k % g == 0 for k in sizes)), 32)
 
@@ -263,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
             g.add_argument("prompt")
             g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
         g.add_argument("--model", default=None, help="a .gguf file, HF model folder or hub id (default: embedded SmolLM2)")
-        g.add_argument("--max-tokens", type=int, default=128)
+        g.add_argument("--max-tokens", type=positive_int, default=128)
         g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
         g.add_argument("--top-p", type=float, default=0.9)
         g.add_argument("--seed", type=int, default=0)
@@ -299,9 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     ppl = ev_sub.add_parser("perplexity", help="perplexity on the held-out Wikipedia articles (chapter 08)")
     ppl.add_argument("--model", default=None, help="a .gguf file, HF model folder or hub id (default: embedded SmolLM2)")
     ppl.add_argument("--quantization", default=None, help=QUANTIZATION_HELP)
-    ppl.add_argument("--max-tokens", type=int, default=4096, help="score the first N tokens of the text (default 4096)")
-    ppl.add_argument("--context-len", type=int, default=None, help="window length (default: min(model's, 1024))")
-    ppl.add_argument("--stride", type=int, default=None, help="how far each window moves (default: context-len / 2)")
+    ppl.add_argument("--max-tokens", type=positive_int, default=4096, help="score the first N tokens of the text (default 4096)")
+    ppl.add_argument("--context-len", type=positive_int, default=None, help="window length (default: min(model's, 1024))")
+    ppl.add_argument("--stride", type=positive_int, default=None, help="how far each window moves (default: context-len / 2)")
     ppl.add_argument("--corpus", default=None, help="the cached corpus text file (default: $MINILLM_CORPUS or "
                      "~/.cache/minillm/, fetched once)")
     ppl.add_argument("--split", default="eval", choices=["eval", "calibration"], help="which part of the corpus")
@@ -313,12 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
     qz = sub.add_parser("quantize", help="quantize a model (AWQ/GPTQ calibrate on the corpus) and save it")
     qz.add_argument("--model", default=None, help="a .gguf file, HF model folder or hub id (default: embedded SmolLM2)")
     qz.add_argument("--method", required=True, choices=["awq", "gptq", "int4", "int8"])
-    qz.add_argument("--group-size", type=int, default=None, help="int4/awq/gptq group (32, 64, 128; default 128, "
+    qz.add_argument("--group-size", type=int, choices=[32, 64, 128], default=None, help="int4/awq/gptq group (32, 64, 128; default 128, "
                     "or 64 where 128 does not divide the layers, as for SmolLM2's 576)")
-    qz.add_argument("--num-sequences", type=int, default=None, help="calibration sequences (awq/gptq)")
-    qz.add_argument("--seq-len", type=int, default=None, help="tokens per calibration sequence (awq/gptq)")
+    qz.add_argument("--num-sequences", type=positive_int, default=None, help="calibration sequences (awq/gptq)")
+    qz.add_argument("--seq-len", type=positive_int, default=None, help="tokens per calibration sequence (awq/gptq)")
     qz.add_argument("--act-order", action="store_true", help="gptq: round the most used inputs first")
-    qz.add_argument("--out", required=True, help="the folder to write (quant_config.json, model.safetensors)")
+    qz.add_argument("--out", required=True, help="the folder to write (quant_config.json, model.safetensors): a "
+                    "new or empty folder outside the model's")
+    qz.add_argument("--overwrite", action="store_true", help="replace --out if it is a folder that is not empty")
     qz.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     qz.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
     qz.set_defaults(fn=_quantize)

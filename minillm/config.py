@@ -19,6 +19,24 @@ from .checks import check_int
 from .models.registry import hf_architectures, model_type_of, model_types
 
 ROPE_TYPES = ("default", "llama3", "yarn")  # yarn: DeepSeek-V2/V3 (layers/mla.py)
+# Sanity bounds, checked before anything is allocated: a few times the largest real models' (Llama-3
+# 405B: 126 layers, hidden 16384, FFN 53248; Gemma: vocab 256k; DeepSeek-V3: 256 experts; 10M-token
+# contexts). A config past one is a typo or a hostile file, which would otherwise allocate for minutes
+# and die with an allocator error naming no field.
+LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 19, "num_layers": 1024,
+          "num_heads": 1024, "num_kv_heads": 1024, "head_dim": 1024, "max_position_embeddings": 1 << 24}
+MOE_LIMITS = {"num_experts": 4096, "num_experts_per_tok": 256, "moe_intermediate_size": 1 << 19,
+              "num_shared_experts": 64}
+MLA_LIMITS = {"kv_lora_rank": 1 << 14, "qk_nope_head_dim": 1024, "qk_rope_head_dim": 1024, "v_head_dim": 1024,
+              "q_lora_rank": 1 << 16}
+
+
+def check_limits(obj, limits: dict[str, int], prefix: str) -> None:
+    for name, limit in limits.items():
+        value = getattr(obj, name)
+        if value is not None and value > limit:
+            raise ValueError(f"{prefix}{name}={value} is beyond what minillm accepts ({limit:,}); "
+                             f"a config that large is a mistake (or not a model this engine can hold)")
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
@@ -45,6 +63,7 @@ class MoEConfig:
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             check_int(name, getattr(self, name), prefix="config moe.")
         check_int("num_shared_experts", self.num_shared_experts, 0, prefix="config moe.")
+        check_limits(self, MOE_LIMITS, "config moe.")
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"config moe.num_experts_per_tok ({self.num_experts_per_tok}) must be <= "
                              f"num_experts ({self.num_experts})")
@@ -85,6 +104,7 @@ class MLAConfig:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             check_int(name, getattr(self, name), prefix="config mla.")
         check_int("q_lora_rank", self.q_lora_rank, optional=True, prefix="config mla.")
+        check_limits(self, MLA_LIMITS, "config mla.")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"config mla.qk_rope_head_dim must be even for rotary embeddings, "
                              f"not {self.qk_rope_head_dim}")
@@ -118,6 +138,8 @@ class ModelConfig:
     mla: MLAConfig | None = None
 
     def __post_init__(self):
+        check_int("num_layers", self.num_layers, prefix="config ")  # before a list of that length is made
+        check_limits(self, {"num_layers": LIMITS["num_layers"]}, "config ")
         if not self.sliding_windows:
             self.sliding_windows = [None] * self.num_layers
         self.validate()
@@ -126,6 +148,7 @@ class ModelConfig:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                   "head_dim", "max_position_embeddings"):
             check_int(f, getattr(self, f), prefix="config ")
+        check_limits(self, LIMITS, "config ")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:

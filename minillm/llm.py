@@ -69,6 +69,19 @@ class LLM:
         self.enable_kv_cache = enable_kv_cache
         self.device = _device(device)
         self.dtype = _dtype(dtype, self.device)
+        if load_format == "dummy":  # refused before a (possibly huge) model is built for nothing
+            raise ValueError("load_format='dummy' has no tokenizer, and LLM needs one: use LLM with real models, "
+                             "and minillm.loader.load_model(name, load_format='dummy') for speed work")
+        engine_config = None
+        if enable_kv_cache:  # every engine argument is checked before the model loads
+            try:
+                engine_config = EngineConfig(**engine_args)
+            except TypeError as e:
+                if "unexpected keyword argument" not in str(e):
+                    raise
+                raise TypeError(f"unknown LLM argument: {e}") from None
+        elif engine_args:
+            raise ValueError(f"engine arguments {sorted(engine_args)} need enable_kv_cache=True")
         self.model, self.config, self.tokenizer = load_model(model, dtype=self.dtype, device=self.device,
                                                              load_format=load_format, quantization=quantization)
         if self.tokenizer is None:
@@ -79,18 +92,12 @@ class LLM:
         self._ids = itertools.count()
         self.max_model_len = self.config.max_position_embeddings
         self.engine = None
-        if enable_kv_cache:
-            try:
-                engine_config = EngineConfig(**engine_args)
-            except TypeError as e:
-                raise TypeError(f"unknown LLM argument: {e}") from None
+        if engine_config is not None:
             kv_dtype = kv_cache_torch_dtype(engine_config.kv_cache_dtype)
             if kv_dtype is not None:  # a quantized KV cache: its scales from text, before the engine starts
                 calibrate_kv_scales(self.model, calibration_prompts(self.tokenizer), kv_dtype)
             self.engine = LLMEngine(self.model, self.tokenizer, self.eos_token_ids, engine_config)
             self.max_model_len = self.engine.max_model_len
-        elif engine_args:
-            raise ValueError(f"engine arguments {sorted(engine_args)} need enable_kv_cache=True")
 
     def get_tokenizer(self):
         return self.tokenizer

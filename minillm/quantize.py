@@ -13,13 +13,24 @@ layer's packed tensors (int4: qweight uint8 [N, K/2], scales and mins [N, K/G]; 
 over the model it names, like a LoRA adapter.
 
 Loading checks everything before it changes anything: the model's shape must match the JSON, every
-tensor must be there, with its name, shape and integer dtype; a mismatch is a ValueError naming the
-tensor. Scales and mins take the model's dtype (a bf16 save loads into fp32 exactly).
+tensor must be there, with its name, shape and integer dtype; a mismatch (or a file that is not
+safetensors at all) is a ValueError naming the file or the tensor. Scales and mins take the model's
+dtype (a bf16 save loads into fp32 exactly).
+
+Writing never destroys anything: `check_out` refuses, before the model is loaded, an --out that is
+a file, not writable, the model's own folder (or inside it, or around it), or a folder that is not
+empty unless overwrite is asked for; the folder is written under a temporary name beside it and
+renamed into place once complete, so a crash leaves the old folder (or none), never half of one.
+Models with routed experts are refused up front: their experts are not linear layers this format
+saves (LLM(quantization="int8") quantizes them at load time instead).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -56,22 +67,87 @@ def saved_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_quantized(model: nn.Module, out: str | Path, method: str, options: dict, source: str | None) -> Path:
-    """Write a quantized model's folder (see the module docstring)."""
+def check_out(out: str | Path, model: str | Path | None = None, overwrite: bool = False) -> Path:
+    """Where `minillm quantize` may write, checked before anything loads: -> the folder's absolute path.
+    Refused: a file; the model's own folder, a folder inside it or one holding it; a folder that is not
+    empty (unless overwrite); a place this user cannot create a folder in."""
+    out = Path(out).expanduser().absolute()
+    if out.is_file() or (out.exists() and not out.is_dir()):
+        raise ValueError(f"--out {out} is a file; quantize writes a folder (quant_config.json, {TENSORS_FILE})")
+    source = _model_path(model)
+    if source is not None:
+        here = source if source.is_dir() else source.parent
+        real_out, real_here = Path(os.path.realpath(out)), Path(os.path.realpath(here))
+        if real_out == real_here or real_here in real_out.parents:
+            raise ValueError(f"--out {out} is inside the model's folder {here}: writing there would replace the "
+                             f"model's own files; choose a folder outside it")
+        if real_out in real_here.parents and out.is_dir():  # overwriting it would delete the model
+            raise ValueError(f"--out {out} holds the model {source}; choose a folder outside it")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"--out {out} is not empty; choose a new folder, or pass --overwrite to replace it")
+    parent = next(p for p in out.parents if p.exists())  # where the folder (and its parents) will be made
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: cannot create a folder in {parent} (not a writable folder)")
+    if out.is_dir() and not os.access(out.parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: cannot replace it, {out.parent} is not writable")
+    return out
+
+
+def _model_path(model) -> Path | None:
+    """The local file or folder a --model names (None: a hub id, which is never a local folder)."""
+    if model is None:
+        from .model_files import embedded_model_path
+
+        try:
+            return embedded_model_path().absolute()
+        except FileNotFoundError:
+            return None
+    path = Path(model).expanduser()
+    return path.absolute() if path.exists() else None
+
+
+def save_quantized(model: nn.Module, out: str | Path, method: str, options: dict, source: str | None,
+                   overwrite: bool = False) -> Path:
+    """Write a quantized model's folder (see the module docstring): into a temporary folder beside
+    `out`, renamed to `out` once complete. An existing non-empty `out` is replaced only with overwrite."""
     from safetensors.torch import save_file
 
     layers = _linears(model)
     if not layers or any(not hasattr(m, "qweight") for m in layers.values()):
         raise ValueError("save_quantized needs a model whose linear layers are all quantized (qweight)")
     bits = 4 if all(hasattr(m, "mins") for m in layers.values()) else 8
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(saved_tensors(model), str(out / TENSORS_FILE))
-    config = {"format": FORMAT, "version": 1, "method": method, "bits": bits, "options": options,
-              "group_size": options.get("group_size") if bits == 4 else None,
-              "model": _fingerprint(model), "source": source}
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    out = check_out(out, overwrite=overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        save_file(saved_tensors(model), str(tmp / TENSORS_FILE))
+        config = {"format": FORMAT, "version": 1, "method": method, "bits": bits, "options": options,
+                  "group_size": options.get("group_size") if bits == 4 else None,
+                  "model": _fingerprint(model), "source": source}
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the folder from everyone else
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
+
+
+def _replace(new: Path, out: Path) -> None:
+    """Put the complete folder `new` at `out`: a rename, after moving an old `out` aside (and then
+    deleting it), so `out` is at every moment either the old folder or the new one."""
+    if not out.exists():
+        os.rename(new, out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+    os.rename(out, old / "x")
+    try:
+        os.rename(new, out)
+    except BaseException:
+        os.rename(old / "x", out)  # put the old one back
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def read_config(path: str | Path) -> dict:
@@ -88,6 +164,14 @@ def read_config(path: str | Path) -> dict:
     if config.get("bits") not in (4, 8) or (config["bits"] == 4 and config.get("group_size") not in (32, 64, 128)):
         raise ValueError(f"{file}: bits must be 4 (with group_size 32, 64 or 128) or 8, got bits={config.get('bits')!r} "
                          f"group_size={config.get('group_size')!r}")
+    fingerprint = config.get("model")
+    if not isinstance(fingerprint, dict) or set(fingerprint) != {"architecture", "hidden_size", "num_layers",
+                                                                  "vocab_size", "intermediate_size"}:
+        raise ValueError(f"{file}: 'model' must describe the model it was made from (architecture, hidden_size, "
+                         f"num_layers, vocab_size, intermediate_size), not {fingerprint!r}")
+    config.setdefault("group_size", None)
+    if not (path / TENSORS_FILE).is_file():
+        raise ValueError(f"{path} has {CONFIG_FILE} but no {TENSORS_FILE}: an incomplete folder")
     return config
 
 
@@ -104,7 +188,11 @@ def load_quantized_tensors(model: nn.Module, path: str | Path, quant_config=None
                          f"{quant_config.name} g{quant_config.group_size}")
     if config["model"] != _fingerprint(model):
         raise ValueError(f"{path} was made for a model of shape {config['model']}, not {_fingerprint(model)}")
-    tensors = load_file(str(Path(path) / TENSORS_FILE), device=str(next(model.parameters()).device))
+    file = Path(path) / TENSORS_FILE
+    try:
+        tensors = load_file(str(file), device=str(next(model.parameters()).device))
+    except Exception as e:  # safetensors' own error: a truncated or overwritten file
+        raise ValueError(f"{file} is not a readable safetensors file ({type(e).__name__}: {e})") from None
     bits, G = config["bits"], config["group_size"]
     want = {}  # name -> (shape, dtype or None for "the model's float dtype")
     for name, layer in _linears(model).items():
@@ -172,14 +260,22 @@ def load_quantized(path: str | Path) -> QuantizedCheckpointConfig:
 
 
 def quantize_model(source, method: str, options: dict, out: str | Path, *, dtype=torch.float32,
-                   device="cpu") -> Path:
-    """Load `source` quantized by `method` (calibrating AWQ/GPTQ on the corpus) and save it to `out`."""
-    from .loader import load_model
+                   device="cpu", overwrite: bool = False) -> Path:
+    """Load `source` quantized by `method` (calibrating AWQ/GPTQ on the corpus) and save it to `out`.
+    Everything that can be refused (the method, --out, a model with routed experts) is refused before
+    the model loads."""
+    from .loader import load_model, read_model_config
 
     if method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, not {method!r}")
+    check_out(out, source, overwrite)
+    config = read_model_config(source)
+    if config.moe is not None:
+        raise ValueError(f"minillm quantize saves dense models; {config.name or source} has routed experts "
+                         f"({config.moe.num_experts} per MoE layer), which this format does not hold. Quantize it at "
+                         f"load time instead: LLM(model, quantization='int8') or --quantization int8")
     model, _, _ = load_model(source, dtype=dtype, device=device, quantization={"method": method, **options})
-    return save_quantized(model, out, method, options, None if source is None else str(source))
+    return save_quantized(model, out, method, options, None if source is None else str(source), overwrite)
 
 
 def parse_quantization(text: str | None):

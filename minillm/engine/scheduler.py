@@ -20,6 +20,8 @@ slots with its own (1 + k tokens), or runs it without drafts when the pool canno
 
 Order is (priority, arrival): lower priority values go first, then first come, first served.
 Finished sequences leave at once (`finish`), so their blocks serve someone else the next step.
+The waiting queue is a heap with O(1) removal (waiting_queue.py): admitting, finishing and aborting
+cost O(log n) whatever the queue's length, so a burst of aborts never stalls the next step.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from ..sequence import Sequence, SequenceStatus
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .waiting_queue import WaitingQueue
 
 
 @dataclass
@@ -51,7 +54,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.config, self.bm = config, block_manager
-        self.waiting: list[Sequence] = []
+        self.waiting = WaitingQueue(self._key)  # (priority, arrival) order; O(log n) in, O(1) out
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.stats = block_manager.stats  # counts num_preemptions
@@ -153,16 +156,15 @@ class Scheduler:
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        self.waiting.sort(key=self._key)
         seats = self._free_seats()
-        while self.waiting and budget > 0 and self._seats(self.waiting[0]) <= seats:
-            seq = self.waiting[0]
+        while self.waiting and budget > 0 and self._seats(self.waiting.peek()) <= seats:
+            seq = self.waiting.peek()
             hits = self.bm.match_prefix(seq.token_ids)
             computed = len(hits) * self.bm.block_size
             n = min(seq.num_tokens - computed, budget)
             if not self.bm.allocate_slots(seq.seq_id, computed + n, n, hits):
                 break  # the pool is full: wait for blocks (FCFS: nobody overtakes the head)
-            self.waiting.pop(0)
+            self.waiting.popleft()
             self.bm.count_prefix_hits(seq.token_ids, len(hits))
             seq.num_computed_tokens = computed
             seq.num_draft_computed = 0  # prefix hits hold the target's K/V, not a draft model's
@@ -203,9 +205,13 @@ class Scheduler:
             seq.finish_reason = seq.finish_reason or "abort"
 
     def _remove(self, seq: Sequence) -> None:
-        for queue in (self.waiting, self.running, self.swapped):
-            if seq in queue:
-                queue.remove(seq)
+        # O(1) for a waiting sequence, whatever the queue's length; running holds at most max_num_seqs,
+        # and only a sequence whose status says so is looked for in running or swapped
+        if not self.waiting.discard(seq):
+            if seq.status is SequenceStatus.RUNNING and seq in self.running:
+                self.running.remove(seq)
+            elif seq.status is SequenceStatus.SWAPPED and seq in self.swapped:
+                self.swapped.remove(seq)
         self.bm.free(seq.seq_id)
         self._order.pop(seq.seq_id, None)
         self._fanout.pop(seq.seq_id, None)

@@ -13,6 +13,7 @@ each linear layer quantizes its own once it is complete; the embedding and LM he
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -60,9 +61,11 @@ def load_model(source=None, *, dtype: torch.dtype = torch.float32, device: torch
         from . import hf_loader
 
         config = hf_loader.read_config(path)
+        hf_loader.check_against_weights(path, config)
         weights = hf_loader.iter_weights(path, dtype, device)
     else:
         raise ValueError(f"cannot load a model from {path}: expected a .gguf file or a Hugging Face model folder")
+    check_fits(config, dtype, device, quant_config, str(path))
     model = _build(config, dtype, device, quant_config)
     with torch.no_grad():
         model.load_weights(weights)  # ends with each layer's process_weights_after_loading
@@ -104,13 +107,10 @@ def default_dtype(dtype: torch.dtype):
 def _dummy(source, dtype, device, quant_config=None):
     """Random weights for any config, the way vLLM's load_format="dummy" works: for speed work (with a
     quant_config, the random full-precision weights are then quantized like loaded ones)."""
-    if isinstance(source, ModelConfig):
-        config = source
-    elif isinstance(source, str) and not Path(source).exists():
-        config = preset(source)
-    else:
-        path = resolve_source(source)
-        config = _config_of(path)
+    config = read_model_config(source, dummy=True)
+    where = f"preset {source!r}" if isinstance(source, str) and not Path(source).exists() else \
+        config.name or "the model config"
+    check_fits(config, dtype, device, quant_config, where)
     model = _build(config, dtype, device, quant_config)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
@@ -123,6 +123,59 @@ def _dummy(source, dtype, device, quant_config=None):
     if hasattr(quant_config, "process_model_after_loading"):  # AWQ/GPTQ on dummy weights: random calibration ids
         quant_config.process_model_after_loading(model.eval(), None)
     return model.eval(), config, None
+
+
+def read_model_config(source=None, dummy: bool = False) -> ModelConfig:
+    """The ModelConfig a load_model(source) would build, read without loading anything (a GGUF header
+    or config.json; with dummy=True also a preset name or a ModelConfig)."""
+    if isinstance(source, ModelConfig):
+        return source
+    if dummy and isinstance(source, str) and not Path(source).exists():
+        return preset(source)
+    path = resolve_source(source)
+    if path.is_dir() and not (path / "config.json").is_file() and (ggufs := sorted(path.glob("*.gguf"))):
+        path = ggufs[0]  # load_model's rule: a folder of GGUF files loads its first
+    return _config_of(path)
+
+
+def check_fits(config: ModelConfig, dtype: torch.dtype, device: torch.device, quant_config=None,
+               where: str = "the model") -> None:
+    """Refuse, before anything is allocated, a model that cannot fit the device's memory at all: its
+    parameters (built on the "meta" device, which allocates nothing) and RoPE's cos/sin tables (fp32,
+    one row per position) against the device's total memory. A lower bound: what passes may still
+    not fit beside a KV cache, but what fails never could."""
+    itemsize = 0.5 if quant_config is not None else torch.empty((), dtype=dtype).element_size()  # int4 at best
+    params = config.num_params
+    rope = 2 * 4 * config.max_position_embeddings * config.head_dim  # cos and sin, fp32
+    need, total = params * itemsize + rope, _device_memory(torch.device(device))
+    if total is None or need <= total:
+        return
+    gib = lambda n: f"{n / 2**30:,.1f} GiB"
+    big = (f"max_position_embeddings={config.max_position_embeddings} (RoPE tables of {gib(rope)})"
+           if rope > params * itemsize else f"{params:,} parameters in {str(dtype).removeprefix('torch.')} "
+           f"(num_layers={config.num_layers}, hidden_size={config.hidden_size}, vocab_size={config.vocab_size})")
+    raise ValueError(f"{where}: the model needs at least {gib(need)} for {big}, but {device} has {gib(total)} "
+                     f"in all; use a smaller model, a smaller dtype or quantization, or a larger device")
+
+
+def _device_memory(device: torch.device) -> int | None:
+    """Total bytes of the device's memory (a CPU: physical memory, or the cgroup's limit if lower)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type != "cpu":
+        return None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
 
 
 def _config_of(path: Path) -> ModelConfig:

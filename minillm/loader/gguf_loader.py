@@ -49,9 +49,22 @@ def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def read_config(path: str | Path, name: str = "") -> ModelConfig:
-    config = ModelConfig.from_gguf(read_gguf_metadata(path), name=name)
-    has_output = any(t.name == "output.weight" for t in open_gguf(path).tensors)
-    return config.with_(tie_word_embeddings=not has_output)
+    """The header's config, checked against the file's tensor shapes (before anything is allocated);
+    an error names the file, the metadata key and its value."""
+    try:
+        config = ModelConfig.from_gguf(read_gguf_metadata(path), name=name)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from e
+    tensors = {t.name: tuple(int(s) for s in reversed(t.shape)) for t in open_gguf(path).tensors}
+    emb = tensors.get("token_embd.weight")
+    if emb is not None and emb != (config.vocab_size, config.hidden_size):
+        raise ValueError(f"{path}: vocab_size={config.vocab_size} and llama.embedding_length={config.hidden_size} "
+                         f"say token_embd.weight is {[config.vocab_size, config.hidden_size]}, but it is {list(emb)}")
+    blocks = {int(n.split(".")[1]) for n in tensors if n.startswith("blk.")}
+    if blocks and max(blocks) + 1 < config.num_layers:
+        raise ValueError(f"{path}: llama.block_count={config.num_layers}, but the file holds blocks 0 to "
+                         f"{max(blocks)} only")
+    return config.with_(tie_word_embeddings="output.weight" not in tensors)
 
 
 def tensor_types(path: str | Path) -> dict[str, str]:

@@ -9,19 +9,29 @@ loading one runs arbitrary code.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 
-from ..config import ModelConfig
+from ..config import LIMITS, MLA_LIMITS, MOE_LIMITS, ModelConfig
 
 # config.json fields that are sizes or counts: an int, or absent/null where the config allows it
 _INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings",
-               "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
                "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 _FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+# config.json's name -> its bound (config.LIMITS, under ModelConfig's names), checked on the raw JSON:
+# reading a config of 10^12 layers must not first build lists of that length
+_LIMITS = {"vocab_size": LIMITS["vocab_size"], "hidden_size": LIMITS["hidden_size"],
+           "intermediate_size": LIMITS["intermediate_size"], "num_hidden_layers": LIMITS["num_layers"],
+           "num_attention_heads": LIMITS["num_heads"], "num_key_value_heads": LIMITS["num_kv_heads"],
+           "head_dim": LIMITS["head_dim"], "max_position_embeddings": LIMITS["max_position_embeddings"],
+           "num_local_experts": MOE_LIMITS["num_experts"], "num_experts": MOE_LIMITS["num_experts"],
+           "n_routed_experts": MOE_LIMITS["num_experts"], "num_experts_per_tok": MOE_LIMITS["num_experts_per_tok"],
+           "moe_intermediate_size": MOE_LIMITS["moe_intermediate_size"], **MLA_LIMITS}
 
 
 def read_config(folder: Path) -> ModelConfig:
@@ -37,6 +47,9 @@ def read_config(folder: Path) -> ModelConfig:
         value = cfg.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise ValueError(f"{cfg_path}: {key} must be an int, not {type(value).__name__} ({value!r})")
+        if value is not None and key in _LIMITS and value > _LIMITS[key]:
+            raise ValueError(f"{cfg_path}: {key}={value} is beyond what minillm accepts (at most {_LIMITS[key]:,}); "
+                             f"a config that large is a mistake, or not a model this engine can hold")
     for key in _FLOAT_FIELDS:
         value = cfg.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -47,6 +60,51 @@ def read_config(folder: Path) -> ModelConfig:
         raise ValueError(f"{cfg_path}: the field {e.args[0]!r} is missing, and the model cannot be built without it") from None
     except (TypeError, ValueError) as e:
         raise ValueError(f"{cfg_path}: {e}") from e
+
+
+def tensor_shapes(folder: Path) -> dict[str, tuple[tuple[int, ...], Path]]:
+    """Every tensor's name -> (shape, its file), from the safetensors headers only (nothing is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    out = {}
+    for path in weight_files(folder):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    out[name] = (tuple(f.get_slice(name).get_shape()), path)
+        except SafetensorError as e:
+            raise ValueError(f"{path} is not a readable safetensors file ({e})") from e
+    return out
+
+
+def check_against_weights(folder: Path, config: ModelConfig) -> None:
+    """config.json against the checkpoint's tensor shapes (headers only), before anything is allocated:
+    the embedding, the number of layers, the first layer's attention and MLP. A mismatch names
+    config.json's field, its value and what the tensor holds."""
+    shapes, cfg = tensor_shapes(folder), folder / "config.json"
+    c = config
+
+    def expect(name: str, want: tuple, fields: str) -> None:
+        got = shapes.get(name)
+        if got is not None and got[0] != want:
+            raise ValueError(f"{cfg}: {fields} say {name} is {list(want)}, but {got[1].name} holds {list(got[0])}")
+
+    expect("model.embed_tokens.weight", (c.vocab_size, c.hidden_size),
+           f"vocab_size={c.vocab_size} and hidden_size={c.hidden_size}")
+    layers = {int(m.group(1)) for name in shapes if (m := re.match(r"model\.layers\.(\d+)\.", name))}
+    if layers and max(layers) + 1 < c.num_layers:
+        raise ValueError(f"{cfg}: num_hidden_layers={c.num_layers}, but the checkpoint holds layers 0 to {max(layers)} "
+                         f"only ({len(layers)} layers)")
+    if c.mla is None:
+        attn = "model.layers.0.self_attn"
+        expect(f"{attn}.q_proj.weight", (c.num_heads * c.head_dim, c.hidden_size),
+               f"num_attention_heads={c.num_heads} x head_dim={c.head_dim} and hidden_size={c.hidden_size}")
+        expect(f"{attn}.k_proj.weight", (c.num_kv_heads * c.head_dim, c.hidden_size),
+               f"num_key_value_heads={c.num_kv_heads} x head_dim={c.head_dim} and hidden_size={c.hidden_size}")
+    dense = next((i for i in range(c.num_layers) if f"model.layers.{i}.mlp.gate_proj.weight" in shapes), None)
+    if dense is not None:
+        expect(f"model.layers.{dense}.mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size),
+               f"intermediate_size={c.intermediate_size} and hidden_size={c.hidden_size}")
 
 
 def weight_files(folder: Path) -> list[Path]:

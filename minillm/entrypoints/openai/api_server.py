@@ -51,6 +51,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...engine.async_llm_engine import AsyncLLMEngine, EngineNotReady
+from .cli_args import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_PROMPTS
 from .metrics import ServerMetrics
 from .protocol import BadField, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .serving_chat import OpenAIServingChat
@@ -66,21 +67,25 @@ PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; style-src 'self'
 
 
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
-              max_request_bytes: int = 4 * 2**20) -> FastAPI:
+              max_request_bytes: int = 4 * 2**20, max_prompts: int = DEFAULT_MAX_PROMPTS,
+              max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> FastAPI:
     metrics = ServerMetrics(engine)
     engine.on_finished = metrics.request_finished
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start(on_dead=lambda: app.state.on_dead())
+        ready = asyncio.get_running_loop().create_task(_log_when_ready(engine, model_name))
         yield
+        ready.cancel()
         await engine.shutdown()
 
     app = FastAPI(title="minillm", lifespan=lifespan)
     app.state.on_dead = lambda: None  # run() makes it stop the server
     app.state.engine, app.state.metrics = engine, metrics
     timings = OrderedDict()  # response id -> its stamps, both endpoints'
-    completions = OpenAIServingCompletion(engine, model_name, timings)
+    completions = OpenAIServingCompletion(engine, model_name, timings, max_prompts=max_prompts,
+                                          max_prompt_tokens=max_prompt_tokens)
     chat = OpenAIServingChat(engine, model_name, timings)
     app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes, metrics=metrics)
     _add_error_handlers(app)
@@ -133,6 +138,16 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     return app
 
 
+async def _log_when_ready(engine: AsyncLLMEngine, model_name: str) -> None:
+    """One log line once the engine serves (the port opened long before: the model loads meanwhile)."""
+    while not engine.ready_event.is_set():
+        await asyncio.sleep(0.05)
+    if engine.load_error is None and engine.dead is None:
+        warm = engine.warm_up_seconds
+        logger.info("ready: %s is loaded%s; /health answers 200", model_name,
+                    f" and warmed up in {warm:.1f} s" if warm else "")
+
+
 def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
     return JSONResponse(APIError(status, message, type, param, code).body(), status_code=status)
 
@@ -161,8 +176,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(e.status_code, str(e.detail), param=None, code=code)
 
     @app.exception_handler(Exception)
-    async def internal(_, e: Exception):
-        logger.exception("unhandled error")
+    async def internal(request: Request, e: Exception):
+        # one line per failed request (a traceback each would flood the log); the traceback at debug level
+        logger.error("%s %s failed: %s: %s", request.method, request.url.path, type(e).__name__, e,
+                     exc_info=logger.isEnabledFor(logging.DEBUG))
         return _error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
 
@@ -285,7 +302,8 @@ def run_server(args) -> int:
     llm_args = dict(model=args.model, dtype=args.dtype, device=args.device, **engine_kwargs(args))
     make = partial(build_llm_engine, llm_args, getattr(args, "quantization", None))
     engine = AsyncLLMEngine(make, warm_up=False if args.no_warm_up else "auto", engine_core=args.engine_core)
-    app = build_app(engine, model_name, api_key, args.max_request_bytes)
+    app = build_app(engine, model_name, api_key, args.max_request_bytes, args.max_prompts_per_request,
+                    args.max_prompt_tokens_per_request)
     loop, http = fast_loop_and_parser()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop=loop, http=http,
                             access_log=not args.no_access_log, timeout_graceful_shutdown=args.shutdown_grace + 5)

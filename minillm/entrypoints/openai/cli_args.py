@@ -1,12 +1,52 @@
 """The flags of `minillm serve` (vLLM's cli_args.py): where to listen, who may call, what to limit,
 and the engine's own knobs (EngineConfig's fields, vLLM's flag names). Plain argparse: building the
-`minillm` parser never imports the server's dependencies."""
+`minillm` parser never imports the server's dependencies. Every flag is checked as it is parsed, so
+a bad one is exit 2 with one line naming it, before the model loads or the port opens."""
 
 from __future__ import annotations
 
 import argparse
+import math
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 128k-token prompt is about 0.5 MB of text
+# the limits of one completions request (serving_completion.py, where they are enforced)
+DEFAULT_MAX_PROMPTS = 1024
+DEFAULT_MAX_PROMPT_TOKENS = 1 << 18
+
+
+def _int_in(low: int, high: int | None, what: str):
+    """An argparse type: an int in [low, high], refused naming `what` otherwise."""
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = None
+        if n is None or n < low or (high is not None and n > high):
+            raise argparse.ArgumentTypeError(f"must be {what}, not {value!r}")
+        return n
+
+    return parse
+
+
+positive_int = _int_in(1, None, "a positive integer")
+_port = _int_in(0, 65535, "a TCP port number (0 to 65535)")
+
+
+def _seconds(value: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, not {value!r}") from None
+    if not (math.isfinite(s) and s >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, not {value!r}")
+    return s
+
+
+def _api_key(value: str) -> str:
+    if not value.strip():  # an empty key would silently turn authentication off
+        raise argparse.ArgumentTypeError("is empty; give the key clients must send, or leave the flag out to "
+                                         "serve without one")
+    return value
 
 
 def _prefix_caching(value: str):
@@ -49,12 +89,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model as given)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only; "
                    "0.0.0.0 opens it to the network)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 (also from "
-                   "$MINILLM_API_KEY)")
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                   help="larger request bodies get a 413")
-    p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight requests get to finish "
+    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--api-key", type=_api_key, default=None, help="require `Authorization: Bearer KEY` on /v1 "
+                   "(also from $MINILLM_API_KEY)")
+    p.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"larger request bodies get a 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
+    p.add_argument("--max-prompts-per-request", type=positive_int, default=DEFAULT_MAX_PROMPTS,
+                   help=f"prompts in one /v1/completions request; more get a 400 (default {DEFAULT_MAX_PROMPTS})")
+    p.add_argument("--max-prompt-tokens-per-request", type=positive_int, default=DEFAULT_MAX_PROMPT_TOKENS,
+                   help=f"prompt tokens in one /v1/completions request, all prompts together; more get a 400 "
+                   f"(default {DEFAULT_MAX_PROMPT_TOKENS})")
+    p.add_argument("--shutdown-grace", type=_seconds, default=10.0, help="seconds in-flight requests get to finish "
                    "after SIGTERM/Ctrl-C; then they are aborted (finish_reason 'abort')")
     p.add_argument("--no-warm-up", action="store_true", help="skip the warm-up (on a GPU it compiles and captures "
                    "before /health says 200)")

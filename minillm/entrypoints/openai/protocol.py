@@ -122,15 +122,23 @@ class ChatMessage(_Strict):
     name: str | None = None
 
     def text(self, i: int) -> str:
-        """The content as plain text: a string, or text parts joined (other kinds are refused)."""
+        """The content as plain text: a string, or text parts joined (other kinds are refused). Only an
+        assistant turn may have no content (OpenAI's, when it made tool calls): "" then."""
         if self.content is None:
-            return ""
+            if self.role == "assistant":
+                return ""
+            raise BadField(f"messages[{i}].content", f"messages[{i}].content is null; a {self.role!r} message "
+                           f"needs its content: a string or a list of text parts")
         if isinstance(self.content, str):
             return self.content
         for j, part in enumerate(self.content):
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise BadField(f"messages[{i}].content[{j}]",
                                f"content parts of type {part.type!r} are not supported (text only)")
+            if part.text is None:
+                raise BadField(f"messages[{i}].content[{j}].text",
+                               f"messages[{i}].content[{j}] is a text part without its text: give "
+                               f'{{"type": "text", "text": "..."}}')
         return "".join(part.text for part in self.content)
 
 

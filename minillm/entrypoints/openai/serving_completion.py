@@ -3,10 +3,18 @@
 Choice i * n + j is completion j of prompt i. Streamed, every chunk is a `text_completion` object
 holding one choice's new text; the last chunk of a choice carries its finish_reason; with
 stream_options.include_usage one more chunk, with no choices, carries the usage; then `data: [DONE]`.
+
+A request may hold at most `max_prompts` prompts and `max_prompt_tokens` prompt tokens in all
+(`minillm serve --max-prompts-per-request`, `--max-prompt-tokens-per-request`): past either it is a
+400 naming the limit, refused before anything is tokenized or queued. Every prompt becomes an engine
+request, and one client's 20,000 prompts would otherwise be 20,000 entries to check, queue, step past
+and abort. A request of many prompts is checked in a worker thread, so the event loop keeps answering
+everyone else (/health included) meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -14,6 +22,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ...outputs import Logprob
+from .cli_args import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_PROMPTS
 from .protocol import (
     BadField,
     CompletionLogProbs,
@@ -21,20 +30,46 @@ from .protocol import (
     CompletionResponse,
     CompletionResponseChoice,
 )
-from .serving_engine import OpenAIServing, gather, new_id, tokenize, usage
+from .serving_engine import APIError, OpenAIServing, gather, new_id, tokenize, usage
 from .stream_chunks import ChunkFrame
+
+INLINE_CHECK_PROMPTS = 16  # more prompts than this are checked in a worker thread, off the event loop
+
+
+def check_prompt_limits(num_prompts: int, num_tokens: int | None, max_prompts: int, max_tokens: int) -> None:
+    """A 400 naming the limit when a request holds too many prompts or prompt tokens."""
+    if num_prompts > max_prompts:
+        raise APIError(400, f"the request holds {num_prompts} prompts; this server takes at most {max_prompts} per "
+                       f"request (--max-prompts-per-request): send them in several requests", param="prompt",
+                       code="too_many_prompts")
+    if num_tokens is not None and num_tokens > max_tokens:
+        raise APIError(400, f"the request's prompts hold {num_tokens} tokens in all; this server takes at most "
+                       f"{max_tokens} per request (--max-prompt-tokens-per-request)", param="prompt",
+                       code="too_many_prompt_tokens")
 
 
 class OpenAIServingCompletion(OpenAIServing):
+    def __init__(self, *args, max_prompts: int = DEFAULT_MAX_PROMPTS, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self.max_prompts, self.max_prompt_tokens = max_prompts, max_prompt_tokens
+
     async def create_completion(self, request: CompletionRequest, raw_request: Request):
         received = time.perf_counter()
         self.check_model(request.model)
         params = self.sampling_params(request)
         texts = request.prompts()
+        # token ids are counted now; text after tokenizing (it has at least a token per 4 MiB / limit bytes)
+        ids_only = sum(len(p) for p in texts if not isinstance(p, str))
+        check_prompt_limits(len(texts), ids_only, self.max_prompts, self.max_prompt_tokens)
         prompts = await tokenize(sum(len(p) for p in texts if isinstance(p, str)), self._token_ids, texts)
+        check_prompt_limits(len(prompts), sum(len(p) for p in prompts), self.max_prompts, self.max_prompt_tokens)
         marks = {"received": received, "tokenized": time.perf_counter()}
         request_id, created = new_id("cmpl")
-        requests = self.check(request_id, prompts, params, "prompt")
+        if len(prompts) > INLINE_CHECK_PROMPTS:  # each prompt's check costs: not on the loop everyone shares
+            requests = await asyncio.to_thread(self.check, request_id, prompts, params, "prompt")
+        else:
+            requests = self.check(request_id, prompts, params, "prompt")
         if request.stream:
             return StreamingResponse(self._stream(request_id, created, requests, request.include_usage, marks),
                                      media_type="text/event-stream")
@@ -53,7 +88,17 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, p in enumerate(prompts):
             if isinstance(p, list) and not p:
                 raise BadField("prompt", f"prompt[{i}] is empty: a prompt needs at least one token")
-        return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        out = []
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str):
+                out.append(p)
+                continue
+            try:
+                out.append(self.tokenizer.encode(p))
+            except (ValueError, TypeError) as e:  # a lone surrogate ("\ud800" in the JSON) is not text
+                name = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                raise BadField("prompt", f"{name} is not valid Unicode text: {e}") from None
+        return out
 
     def _stream(self, request_id: str, created: int, requests, include_usage: bool,
                 marks: dict) -> AsyncIterator[str]:
