@@ -98,7 +98,11 @@ def test_the_reference_is_the_dequantized_weight(g):
     w = dequantize_int4(qweight, scales, mins, 32)
     n, k = 2, 37  # odd k: the high nibble of byte 18, group 1
     q = (qweight[n, k // 2].item() >> 4) & 0xF
-    assert w[n, k].item() == pytest.approx(q * scales[n, 1].item() + mins[n, 1].item(), rel=1e-6)
+    qs, m = q * scales[n, 1].item(), mins[n, 1].item()  # exact in double: fp32 operands, q < 16
+    # fp32 rounds twice, q * s and then + m: each rounding errs by at most 2^-24 of its result, so the
+    # bound is 2^-24 (|q s| + |q s + m|) (+ 2^-48 terms) -- absolute, since q s + m may cancel to near 0
+    bound = 2.0 ** -24 * (abs(qs) + abs(qs + m)) * (1 + 2.0 ** -23)
+    assert abs(w[n, k].item() - (qs + m)) <= bound
 
 
 def test_decode_rows_do_not_depend_on_the_batch(g):
