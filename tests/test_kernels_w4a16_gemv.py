@@ -1,0 +1,112 @@
+"""The W4A16 decode GEMV (M <= 4) against the fp32 product with the fp32-dequantized weight, on fresh
+random inputs with odd N: under Triton's interpreter on a CPU, natively on a GPU at Llama-3-8B's shapes.
+
+The tolerance is the arithmetic's, element by element. The kernel and the reference both sum in fp32,
+in different orders, terms no larger than |x_k| (48 |s| + |m|) (the folded form 16 s f + (m - 16 s)
+with f < 2); a sum of n such terms errs by at most n 2^-24 times the sum of their sizes. Then the
+kernel rounds once to x's dtype: half an ulp, 2^-11 relative in fp16, 2^-8 in bf16.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from minillm.kernels.w4a16 import pack_int4, w4a16_gemm
+from minillm.kernels.w4a16_gemv import GEMV_M, _counters, choose_gemv_tiles, w4a16_gemv, w4a16_gemv_ref
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETED else "cuda"
+DTYPES = [torch.float32, torch.float16] + ([] if INTERPRETED else [torch.bfloat16])
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+needs_cuda = pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def g(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def int4_weight(g, N: int, K: int, group_size: int, dtype=torch.float32):
+    """Random packed q, scales ~ a trained layer's (1e-2) and mins below 0, on DEVICE."""
+    q = torch.randint(0, 16, (N, K), generator=g)
+    scales = (torch.rand(N, K // group_size, generator=g) * 0.02 + 0.002).to(dtype)
+    mins = (-torch.rand(N, K // group_size, generator=g) * 0.15).to(dtype)
+    return pack_int4(q).to(DEVICE), scales.to(DEVICE), mins.to(DEVICE)
+
+
+def assert_within_rounding(y, x, qweight, scales, mins, group_size: int) -> None:
+    """|y - the fp32 product| <= the fp32 sums' error bound + half an ulp of y's dtype, per element."""
+    ref = w4a16_gemv_ref(x.float(), qweight, scales, mins, group_size)  # [M, N] fp32, unrounded
+    K = x.shape[1]
+    size = (48 * scales.float().abs() + mins.float().abs()).repeat_interleave(group_size, dim=1)  # [N, K]
+    sums = 2 * (K + 16) * 2.0 ** -24 * (x.float().abs() @ size.t())  # both orders' error
+    bound = UNIT_ROUNDOFF[y.dtype] * (ref.abs() + sums) + sums
+    err = (y.float() - ref).abs()
+    assert bool((err <= bound).all()), f"worst excess {(err - bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K,group_size", [(1, 45, 96, 32), (2, 77, 320, 64), (3, 33, 384, 128), (4, 19, 160, 32)])
+def test_gemv_matches_the_dequantized_product(M, N, K, group_size, dtype, g):
+    qweight, scales, mins = int4_weight(g, N, K, group_size, dtype)
+    x = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
+    bn, bc, _, warps, stages = choose_gemv_tiles(N, K, x.device)
+    for split in (None, 3):  # chosen, and a split whose last slice is short
+        tiles = None if split is None else (bn, bc, split, warps, stages)
+        y = w4a16_gemv(x, qweight, scales, mins, group_size, tiles=tiles)
+        assert y.dtype == dtype and y.shape == (M, N)
+        assert_within_rounding(y, x, qweight, scales, mins, group_size)
+
+
+def test_split_k_is_deterministic_and_leaves_the_counters_zeroed(g):
+    """The in-kernel reduction sums the slices in a fixed order: the same input, the same bits."""
+    qweight, scales, mins = int4_weight(g, 37, 512, 64)
+    x = torch.randn(2, 512, generator=g).to(DEVICE)
+    tiles = (16, 8, 4, 1, 1)  # 3 N tiles x 4 slices
+    first = w4a16_gemv(x, qweight, scales, mins, 64, tiles=tiles)
+    assert torch.equal(w4a16_gemv(x, qweight, scales, mins, 64, tiles=tiles), first)
+    assert int(_counters[x.device].abs().sum()) == 0
+
+
+def test_rows_do_not_depend_on_the_batch(g):
+    """Every row runs the same code: row i alone and in a batch of up to GEMV_M give the same bits."""
+    qweight, scales, mins = int4_weight(g, 40, 256, 32)
+    x = torch.randn(GEMV_M, 256, generator=g).to(DEVICE)
+    full = w4a16_gemv(x, qweight, scales, mins, 32)
+    for M in range(1, GEMV_M):
+        assert torch.equal(w4a16_gemv(x[:M].contiguous(), qweight, scales, mins, 32), full[:M])
+    assert torch.equal(w4a16_gemv(x[2:3].contiguous(), qweight, scales, mins, 32), full[2:3])
+
+
+def test_w4a16_gemm_runs_the_gemv_up_to_gemv_m(g):
+    qweight, scales, mins = int4_weight(g, 24, 128, 32)
+    for M in (1, GEMV_M):
+        x = torch.randn(M, 128, generator=g).to(DEVICE)
+        assert torch.equal(w4a16_gemm(x, qweight, scales, mins, 32), w4a16_gemv(x, qweight, scales, mins, 32))
+    with pytest.raises(ValueError, match=f"w4a16_gemv takes at most {GEMV_M} rows, got 5"):
+        w4a16_gemv(torch.randn(5, 128).to(DEVICE), qweight, scales, mins, 32)
+
+
+def test_a_row_sliced_weight_is_read_correctly(g):
+    """qweight rows at a stride that is not a multiple of 4 bytes cannot be viewed as int32: copied."""
+    qweight, scales, mins = int4_weight(g, 8, 64, 32)
+    wide = torch.zeros(8, 34, dtype=torch.uint8, device=DEVICE)
+    wide[:, :32] = qweight
+    x = torch.randn(1, 64, generator=g).to(DEVICE)
+    y = w4a16_gemv(x, wide[:, :32], scales, mins, 32)
+    assert torch.equal(y, w4a16_gemv(x, qweight, scales, mins, 32))
+
+
+@needs_cuda
+@pytest.mark.parametrize("M", [1, 3, 4])
+@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])  # Llama-3-8B
+def test_llama3_shapes_on_gpu(M, N, K, g):
+    for group_size in (32, 128):
+        qweight, scales, mins = int4_weight(g, N, K, group_size, torch.bfloat16)
+        x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(DEVICE)
+        y = w4a16_gemv(x, qweight, scales, mins, group_size)
+        assert_within_rounding(y, x, qweight, scales, mins, group_size)
+        assert torch.equal(w4a16_gemv(x[:1].contiguous(), qweight, scales, mins, group_size), y[:1])
