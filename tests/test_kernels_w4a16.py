@@ -14,7 +14,6 @@ import os
 
 import pytest
 import torch
-from test_kernels_w4a16_gemv import assert_within_rounding
 
 from minillm.kernels.w4a16 import (
     choose_tiles,
@@ -26,11 +25,13 @@ from minillm.kernels.w4a16 import (
     w8a16_gemm,
     w8a16_gemm_ref,
 )
-from minillm.kernels.w4a16_gemv import GEMV_M
+from minillm.kernels.w4a16_gemv import GEMV_M, w4a16_gemv_ref
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
 DTYPES = [torch.float32, torch.float16] + ([] if INTERPRETED else [torch.bfloat16])
+# the GEMV (M <= GEMV_M) keeps W in fp32: its bound is elementwise (assert_within_rounding)
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 # relative (Frobenius) error; bf16 is looser because int8's kernel scales the fp32 sum while the
 # reference rounds each dequantized weight to bf16 first (2^-9 each): on 7 outputs of K = 33 the two
 # differ by up to 7e-3 (H100)
@@ -54,6 +55,21 @@ def int4_weight(g, N: int, K: int, group_size: int, dtype=torch.float32):
 def int8_weight(g, N: int, K: int, dtype=torch.float32):
     q = torch.randint(-127, 128, (N, K), generator=g).to(torch.int8)
     return q.to(DEVICE), (torch.rand(N, generator=g) * 0.01 + 1e-3).to(dtype).to(DEVICE)
+
+
+def assert_within_rounding(y, x, qweight, scales, mins, group_size: int) -> None:
+    """|y - the fp32 product with the fp32-dequantized W| <= what the arithmetic allows, per element.
+
+    The kernel and the reference both sum in fp32, in different orders, terms no larger than
+    |x_k| (48 |s| + |m|) (the GEMV's folded form 16 s f + (m - 16 s), f < 2); a sum of n terms errs by
+    at most n 2^-24 times the sum of their sizes. Then y is rounded once to its dtype (half an ulp)."""
+    ref = w4a16_gemv_ref(x.float(), qweight, scales, mins, group_size)  # [M, N] fp32, unrounded
+    K = x.shape[1]
+    size = (48 * scales.float().abs() + mins.float().abs()).repeat_interleave(group_size, dim=1)  # [N, K]
+    sums = 2 * (K + 16) * 2.0 ** -24 * (x.float().abs() @ size.t())  # both orders' error
+    bound = UNIT_ROUNDOFF[y.dtype] * (ref.abs() + sums) + sums
+    err = (y.float() - ref).abs()
+    assert bool((err <= bound).all()), f"worst excess {(err - bound).max().item():.3g}"
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:

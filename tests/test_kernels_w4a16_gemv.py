@@ -1,10 +1,7 @@
 """The W4A16 decode GEMV (M <= 4) against the fp32 product with the fp32-dequantized weight, on fresh
 random inputs with odd N: under Triton's interpreter on a CPU, natively on a GPU at Llama-3-8B's shapes.
 
-The tolerance is the arithmetic's, element by element. The kernel and the reference both sum in fp32,
-in different orders, terms no larger than |x_k| (48 |s| + |m|) (the folded form 16 s f + (m - 16 s)
-with f < 2); a sum of n such terms errs by at most n 2^-24 times the sum of their sizes. Then the
-kernel rounds once to x's dtype: half an ulp, 2^-11 relative in fp16, 2^-8 in bf16.
+The tolerance is the arithmetic's, element by element (test_kernels_w4a16.assert_within_rounding).
 """
 
 from __future__ import annotations
@@ -13,39 +10,20 @@ import os
 
 import pytest
 import torch
+from test_kernels_w4a16 import assert_within_rounding, int4_weight
 
-from minillm.kernels.w4a16 import pack_int4, w4a16_gemm
-from minillm.kernels.w4a16_gemv import GEMV_M, _counters, choose_gemv_tiles, w4a16_gemv, w4a16_gemv_ref
+from minillm.kernels.w4a16 import w4a16_gemm
+from minillm.kernels.w4a16_gemv import GEMV_M, _counters, choose_gemv_tiles, w4a16_gemv
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
 DTYPES = [torch.float32, torch.float16] + ([] if INTERPRETED else [torch.bfloat16])
-UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 needs_cuda = pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.fixture
 def g(seed):
     return torch.Generator().manual_seed(seed)
-
-
-def int4_weight(g, N: int, K: int, group_size: int, dtype=torch.float32):
-    """Random packed q, scales ~ a trained layer's (1e-2) and mins below 0, on DEVICE."""
-    q = torch.randint(0, 16, (N, K), generator=g)
-    scales = (torch.rand(N, K // group_size, generator=g) * 0.02 + 0.002).to(dtype)
-    mins = (-torch.rand(N, K // group_size, generator=g) * 0.15).to(dtype)
-    return pack_int4(q).to(DEVICE), scales.to(DEVICE), mins.to(DEVICE)
-
-
-def assert_within_rounding(y, x, qweight, scales, mins, group_size: int) -> None:
-    """|y - the fp32 product| <= the fp32 sums' error bound + half an ulp of y's dtype, per element."""
-    ref = w4a16_gemv_ref(x.float(), qweight, scales, mins, group_size)  # [M, N] fp32, unrounded
-    K = x.shape[1]
-    size = (48 * scales.float().abs() + mins.float().abs()).repeat_interleave(group_size, dim=1)  # [N, K]
-    sums = 2 * (K + 16) * 2.0 ** -24 * (x.float().abs() @ size.t())  # both orders' error
-    bound = UNIT_ROUNDOFF[y.dtype] * (ref.abs() + sums) + sums
-    err = (y.float() - ref).abs()
-    assert bool((err <= bound).all()), f"worst excess {(err - bound).max().item():.3g}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
