@@ -23,16 +23,16 @@ The tile loop is an ordinary tiled GEMM (fp32 accumulator, tl.dot) whose B tile 
     scale multiplies the finished sum, once per output instead of once per weight. With group scales,
     each K tile (inside one group) gets its own small dot, scaled as it joins the accumulator.
 
-Decode has M <= 16 rows. Up to GEMV_M = 4 rows, w4a16_gemm runs w4a16_gemv.py instead: no tl.dot,
-a multiply and a sum per weight in the FP32 lanes, the layout read as 16-byte runs of a row, the zero
-point folded into a per-int32 bias, split-K summed inside the kernel. Above that, one row of tiles
+Decode has M <= 16 rows. w4a16_gemv.py is a GEMV for up to 4 rows (no tl.dot, the zero point folded,
+split-K summed in the kernel); it measured no faster than these tiles at M = 1 and slower at M = 4
+(chapter 08), so w4a16_gemm runs it only up to GEMV_M rows, 0 for now: one switch to flip once it
+wins, and until then every M <= 16 gets the tiles' summation order. For the tiles, one row
 across N is too few programs to keep the GPU's loads in flight (4096 columns / 64 = 64 programs for
 132 SMs): split-K cuts K into slices, each program sums one slice into an fp32 partial, and a sum over
 the slices finishes (the same rule as FlashDecoding's split-KV, flash_decode.py). Prefill (M > 16) is
 compute-bound: there the weight is dequantized once and cuBLAS multiplies (wna16_dequant.py); the
 tiles still run any M when split_k is given. The tiles depend on M only through that one switch, so
-every 5 <= M <= 16 gets the same summation order, as every M <= 4 does in the GEMV: a row's result
-does not depend on the other rows of a batch of the same kernel.
+every M <= 16 gets the same summation order: a row's result does not depend on its batch.
 
 The references beside the kernel dequantize the whole weight and multiply (the oracle of the tests,
 and what minillm runs on a CPU). Measured speeds, and why the tiles miss at M = 1: chapter 08 and
@@ -52,10 +52,11 @@ from ..checks import check_int
 from .checks import FLOAT_DTYPES, INTERPRET, check_device, check_float_tensor, check_tensor
 from .flash_attn import dot
 from .flash_decode import sm_count
-from .w4a16_gemv import GEMV_M, w4a16_gemv
+from .w4a16_gemv import w4a16_gemv
 from .wna16_dequant import dequant_matmul, nibble_to_f32
 
 DECODE_M = 16  # up to this many rows: the decode tiles (one row of M, split-K)
+GEMV_M = 0  # up to this many rows (at most w4a16_gemv.MAX_ROWS): the GEMV; 0 = off (no faster yet)
 MAX_SPLIT_K = 16
 
 
@@ -231,7 +232,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     """x [M, K] @ dequant(qweight)^T -> [M, N] in x's dtype, the int4 weight never dequantized in memory.
 
     qweight uint8 [N, K/2] (pack_int4), scales and mins [N, K/group_size]; split_k None chooses: up to
-    GEMV_M rows the GEMV (w4a16_gemv.py, fp32 weights: no rounding of W to x's dtype), above DECODE_M
+    GEMV_M rows (0: none) the GEMV (w4a16_gemv.py, fp32 weights: W not rounded), above DECODE_M
     rows the prefill path (wna16_dequant.py: the weight dequantized once, then cuBLAS), between them
     these tiles; a given split_k always runs the tiles."""
     _check(x, qweight, scales, mins, group_size, 4, strict=True, split_k=split_k)

@@ -29,9 +29,13 @@ operations per weight as the format allows:
     that every call leaves zeroed (calls on one stream at a time, as the engine runs them).
 
 Every row runs the same code, so a row's result does not depend on the other rows of its batch
-(M <= GEMV_M). The arithmetic is fp32 throughout (x upcast, weights never rounded to x's dtype) and
+(M <= MAX_ROWS). The arithmetic is fp32 throughout (x upcast, weights never rounded to x's dtype) and
 rounds once, to x's dtype, at the store: the reference `w4a16_gemv_ref` is the fp32 product with the
 fp32-dequantized weight.
+
+Measured on an H100 (chapter 08, chapters/bench/): as fast as w4a16.py's tiles at M = 1, not faster,
+and slower at M = 4; Nsight Compute finds it neither DRAM-bound nor issue-bound. So w4a16_gemm does
+not run it by default (w4a16.GEMV_M = 0); it stays here, tested, as the starting point.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import triton.language as tl
 from .checks import INTERPRET
 from .flash_decode import sm_count
 
-GEMV_M = 4  # up to this many rows w4a16.w4a16_gemm runs this kernel
+MAX_ROWS = 4  # the most rows one call takes (every row costs one more FMA a weight)
 MAX_SPLIT_K = 16
 
 
@@ -120,7 +124,7 @@ def _counters_for(device: torch.device, n: int) -> torch.Tensor:
 
 
 def choose_gemv_tiles(N: int, K: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_C, split_k, num_warps, num_stages), the same for every M <= GEMV_M.
+    """(BLOCK_N, BLOCK_C, split_k, num_warps, num_stages), the same for every M <= MAX_ROWS.
 
     BLOCK_C = 32 int32 is a 256-weight K tile: 128 bytes of each row per step, 16 per lane. Split-K
     brings the programs to about 8 per SM, enough 2-warp programs to keep the loads in flight."""
@@ -135,14 +139,14 @@ def choose_gemv_tiles(N: int, K: int, device: torch.device) -> tuple[int, int, i
 
 def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
                *, tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] (M <= GEMV_M) @ dequant(qweight)^T -> [M, N] in x's dtype, summed in fp32.
+    """x [M, K] (M <= MAX_ROWS) @ dequant(qweight)^T -> [M, N] in x's dtype, summed in fp32.
 
-    Arguments as w4a16.w4a16_gemm's and checked there (this is its M <= GEMV_M path); `tiles` overrides
-    choose_gemv_tiles (the GPU sweep's knob)."""
+    Arguments as w4a16.w4a16_gemm's, which checks them and runs this kernel up to its GEMV_M rows;
+    `tiles` overrides choose_gemv_tiles (the GPU sweep's knob)."""
     M, K = x.shape
     N = qweight.shape[0]
-    if M > GEMV_M:
-        raise ValueError(f"w4a16_gemv takes at most {GEMV_M} rows, got {M}")
+    if M > MAX_ROWS:
+        raise ValueError(f"w4a16_gemv takes at most {MAX_ROWS} rows, got {M}")
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y

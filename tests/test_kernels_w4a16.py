@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from minillm.kernels import w4a16 as w4a16_module
 from minillm.kernels.w4a16 import (
     choose_tiles,
     dequantize_int4,
@@ -25,12 +26,12 @@ from minillm.kernels.w4a16 import (
     w8a16_gemm,
     w8a16_gemm_ref,
 )
-from minillm.kernels.w4a16_gemv import GEMV_M, w4a16_gemv_ref
+from minillm.kernels.w4a16_gemv import w4a16_gemv_ref
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
 DTYPES = [torch.float32, torch.float16] + ([] if INTERPRETED else [torch.bfloat16])
-# the GEMV (M <= GEMV_M) keeps W in fp32: its bound is elementwise (assert_within_rounding)
+# the GEMV (w4a16_gemv.py) keeps W in fp32: its bound is elementwise (assert_within_rounding)
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 # relative (Frobenius) error; bf16 is looser because int8's kernel scales the fp32 sum while the
 # reference rounds each dequantized weight to bf16 first (2^-9 each): on 7 outputs of K = 33 the two
@@ -94,7 +95,7 @@ def test_w4a16_matches_dequantized_matmul(M, N, K, group_size, dtype, g):
     for split_k in (None, 1, 3):  # chosen, none, and a split that leaves a short last slice
         y = w4a16_gemm(x, qweight, scales, mins, group_size, split_k=split_k)
         assert y.dtype == dtype and y.shape == (M, N)
-        if split_k is None and M <= GEMV_M:  # the GEMV: fp32 weights, not rounded to x's dtype
+        if split_k is None and M <= w4a16_module.GEMV_M:  # the GEMV: fp32 weights, not rounded to x's dtype
             assert_within_rounding(y, x, qweight, scales, mins, group_size)
         else:
             assert rel_err(y, ref) < TOL[dtype], (split_k, rel_err(y, ref))
@@ -127,12 +128,12 @@ def test_the_reference_is_the_dequantized_weight(g):
 
 
 def test_decode_rows_do_not_depend_on_the_batch(g):
-    """Every 5 <= M <= 16 runs the same tiles and split: row i's result is the same bits alone or batched
-    (M <= GEMV_M runs the GEMV, whose own test checks the same)."""
+    """Every M <= 16 the tiles run (above GEMV_M, 0 by default) gets the same tiles and split: row i's
+    result is the same bits alone or batched (the GEMV's own test checks the same for it)."""
     qweight, scales, mins = int4_weight(g, 40, 128, 32)
     x = torch.randn(16, 128, generator=g).to(DEVICE)
     full = w4a16_gemm(x, qweight, scales, mins, 32)
-    for M in (GEMV_M + 1, 9):
+    for M in sorted({w4a16_module.GEMV_M + 1, 5, 9}):
         assert torch.equal(w4a16_gemm(x[:M].contiguous(), qweight, scales, mins, 32), full[:M])
     for dtype in DTYPES:
         assert choose_tiles(1, 4096, 4096, 128, dtype, torch.device(DEVICE), None) == \

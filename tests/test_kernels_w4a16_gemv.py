@@ -12,8 +12,8 @@ import pytest
 import torch
 from test_kernels_w4a16 import assert_within_rounding, int4_weight
 
-from minillm.kernels.w4a16 import w4a16_gemm
-from minillm.kernels.w4a16_gemv import GEMV_M, _counters, choose_gemv_tiles, w4a16_gemv
+from minillm.kernels import w4a16 as w4a16_module
+from minillm.kernels.w4a16_gemv import MAX_ROWS, _counters, choose_gemv_tiles, w4a16_gemv
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -50,21 +50,24 @@ def test_split_k_is_deterministic_and_leaves_the_counters_zeroed(g):
 
 
 def test_rows_do_not_depend_on_the_batch(g):
-    """Every row runs the same code: row i alone and in a batch of up to GEMV_M give the same bits."""
+    """Every row runs the same code: row i alone and in a batch of up to MAX_ROWS give the same bits."""
     qweight, scales, mins = int4_weight(g, 40, 256, 32)
-    x = torch.randn(GEMV_M, 256, generator=g).to(DEVICE)
+    x = torch.randn(MAX_ROWS, 256, generator=g).to(DEVICE)
     full = w4a16_gemv(x, qweight, scales, mins, 32)
-    for M in range(1, GEMV_M):
+    for M in range(1, MAX_ROWS):
         assert torch.equal(w4a16_gemv(x[:M].contiguous(), qweight, scales, mins, 32), full[:M])
     assert torch.equal(w4a16_gemv(x[2:3].contiguous(), qweight, scales, mins, 32), full[2:3])
 
 
-def test_w4a16_gemm_runs_the_gemv_up_to_gemv_m(g):
+def test_w4a16_gemm_runs_the_gemv_up_to_gemv_m(g, monkeypatch):
+    """The switch in w4a16_gemm (GEMV_M, 0 by default: the GEMV measured no faster than the tiles)."""
     qweight, scales, mins = int4_weight(g, 24, 128, 32)
-    for M in (1, GEMV_M):
+    monkeypatch.setattr(w4a16_module, "GEMV_M", MAX_ROWS)
+    for M in (1, MAX_ROWS):
         x = torch.randn(M, 128, generator=g).to(DEVICE)
-        assert torch.equal(w4a16_gemm(x, qweight, scales, mins, 32), w4a16_gemv(x, qweight, scales, mins, 32))
-    with pytest.raises(ValueError, match=f"w4a16_gemv takes at most {GEMV_M} rows, got 5"):
+        assert torch.equal(w4a16_module.w4a16_gemm(x, qweight, scales, mins, 32),
+                           w4a16_gemv(x, qweight, scales, mins, 32))
+    with pytest.raises(ValueError, match=f"w4a16_gemv takes at most {MAX_ROWS} rows, got 5"):
         w4a16_gemv(torch.randn(5, 128).to(DEVICE), qweight, scales, mins, 32)
 
 

@@ -231,7 +231,8 @@ def test_smollm2_int4(smollm_fp32, greedy_runs):
     unset, each layer takes the largest group that divides its inputs (64 there, 128 on down_proj)."""
     g32, _, _ = load_model(None, quantization={"method": "int4", "group_size": 32}, tokenizer=False)
     g64, _, _ = load_model(None, quantization={"method": "int4", "group_size": 64}, tokenizer=False)
-    auto, _, _ = load_model(None, quantization="int4", tokenizer=False)
+    llm = LLM(dtype="float32", device="cpu", quantization="int4")  # the default group, through the engine
+    auto = llm.model
     for ids, out in greedy_runs[:3]:
         want = _logits(smollm_fp32.model, ids + out)
         assert sqnr(want, _logits(g32, ids + out)) > 60
@@ -243,7 +244,6 @@ def test_smollm2_int4(smollm_fp32, greedy_runs):
             assert a.quant_method.group_size == 64 and torch.equal(a.qweight, b.qweight)
         down = mine.mlp.down_proj  # 1536 inputs: group 128, 12 groups a row
         assert down.quant_method.group_size == 128 and down.scales.shape == (576, 12)
-    llm = LLM(dtype="float32", device="cpu", quantization="int4")  # the engine serves it
     assert len(llm.generate("The capital of France is", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24
     with pytest.raises(ValueError, match="group_size 128 does not divide the 576 input features"):
         LLM(dtype="float32", device="cpu", quantization={"method": "int4", "group_size": 128})

@@ -1,13 +1,14 @@
 # ruff: noqa: B023  (benchmark closures are timed at once, inside their loop)
 """W4A16 vs cuBLAS bf16 on Llama-3-8B's linear shapes at M = 1, 4, 16 (chapter 08), and the ablations.
 
-Per shape and M: cuBLAS bf16 (F.linear), minillm's int4 g128 (w4a16_gemm: the GEMV up to 4 rows, the
-tl.dot tiles above), the tiles forced at M <= 4 (the old decode path), the GEMV without split-K, W8A16,
-and torch's own int4 kernel (_weight_int4pack_mm, tinygemm) where it runs. Each time is the median of
+Per shape and M: cuBLAS bf16 (F.linear), minillm's int4 g128 as w4a16_gemm runs it (int4_us: the GEMV
+up to w4a16.GEMV_M rows, the tl.dot tiles above), the tiles forced (int4_tiles_us) and the GEMV
+(int4_gemv_us, and without split-K) at M <= 4, W8A16, and torch's own int4 kernel
+(_weight_int4pack_mm, tinygemm) where it runs. Each time is the median of
 7 replays of a CUDA graph of many calls, timed with device events; every call reads a different copy
 of the weights (256 MB or more of each format in rotation, 5x the L2), so nothing is served from L2.
 Inputs are fresh random numbers. % of roofline: the call's bytes over the copy bandwidth measured in
-this process. Then a small GEMV tile sweep at M = 1. Writes $OUT/w4a16.json; prints one line a row.
+this process (minillm.hw.ceilings, as `minillm bench` measures it). Then a small GEMV tile sweep at M = 1. Writes $OUT/w4a16.json; prints one line a row.
 
     python scripts/gpu/w4sweep.py [--budget-s 120]
 """
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, ".")  # the repo root: its minillm, where no install is
+from minillm.hw import ceilings
 from minillm.kernels import w4a16 as W
 from minillm.kernels import w4a16_gemv as V
 
@@ -55,13 +57,6 @@ def time_us(calls, inner: int = 64, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
-def copy_gbps() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    t = time_us([lambda: b.copy_(a)], inner=8)
-    return 2 * a.numel() / t / 1e3
-
-
 def copies(nbytes: float) -> int:
     return max(2, math.ceil(ROTATE_BYTES / nbytes))
 
@@ -89,7 +84,7 @@ def main():
     args = ap.parse_args()
     t0 = time.time()
     props = torch.cuda.get_device_properties(0)
-    bw = copy_gbps()
+    bw = ceilings(torch.device("cuda")).copy_gbps
     info = {"gpu": torch.cuda.get_device_name(), "sms": props.multi_processor_count, "torch": torch.__version__,
             "triton": triton.__version__, "copy_gbps": bw, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "commit": os.environ.get("MINILLM_COMMIT", "?"), "group_size": G}
@@ -111,9 +106,10 @@ def main():
             row["bf16_us"] = time_us([lambda w=w: F.linear(x, w) for w in w16])
             row["int4_us"] = time_us([lambda w=w: W.w4a16_gemm(x, *w, G) for w in w4])
             row["int8_us"] = time_us([lambda w=w: W.w8a16_gemm(x, *w) for w in w8])
-            if M <= V.GEMV_M:  # ablations of the GEMV: the tiles it replaced, and no split-K
+            if M <= V.MAX_ROWS:  # the two decode kernels apart, and the GEMV without split-K
                 split = W.choose_tiles(M, N, K, G, x.dtype, x.device, None)[3]
                 row["int4_tiles_us"] = time_us([lambda w=w: W.w4a16_gemm(x, *w, G, split_k=split) for w in w4])
+                row["int4_gemv_us"] = time_us([lambda w=w: V.w4a16_gemv(x, *w, G) for w in w4])
                 bn, bc, s, warps, stages = V.choose_gemv_tiles(N, K, x.device)
                 row["gemv_split"] = s
                 row["int4_gemv_nosplit_us"] = time_us([lambda w=w: V.w4a16_gemv(x, *w, G, tiles=(bn, bc, 1, warps, stages))
