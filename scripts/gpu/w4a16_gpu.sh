@@ -6,6 +6,8 @@
 # 2. scripts/gpu/w4sweep.py: bf16 cuBLAS vs int4 (GEMV at M <= 4) vs int8 vs torch's int4 at M = 1, 4, 16,
 #    the ablations (the old tiles at M <= 4, the GEMV without split-K) and a GEMV tile sweep -> w4a16.json
 # 3. Llama-3-8B (dummy weights) batch-1 latency per format -> latency-llama-3-8b-{int4,bf16,int8}.json
+#    (notebook 08's engine settings: one sequence, so only its graphs are captured; the 2026-11-25 run
+#    used --cuda-graph-max-tokens 4 alone and captured 20 graphs, too slow for its int4 slot)
 # 4. Nsight Compute on the M = 1 GEMV: DRAM and SM throughput (% of peak)
 # Every part runs under `timeout`, so the script always ends and leaves $OUT/logs.tgz.
 set -uo pipefail
@@ -26,7 +28,8 @@ cp "$OUT/w4a16.json" "$LOGS/" 2>/dev/null
 for fmt in int4 bf16 int8; do
   q=(); [ "$fmt" != bf16 ] && q=(--quantization "$fmt")
   timeout 80 python -m minillm bench latency --model llama-3-8b-dummy "${q[@]}" --no-hf --num-iters 2 \
-    --num-iters-warmup 1 --cuda-graph-max-tokens 4 --json "$OUT/latency-llama-3-8b-$fmt.json" \
+    --num-iters-warmup 1 --max-num-seqs 1 --max-num-batched-tokens 256 --cuda-graph-max-tokens 0 \
+    --gpu-memory-utilization 0.5 --json "$OUT/latency-llama-3-8b-$fmt.json" \
     > "$LOGS/latency-$fmt.log" 2>&1; echo "latency $fmt rc=$?" >> "$LOGS/latency-$fmt.log"
 done
 
