@@ -23,23 +23,20 @@ The tile loop is an ordinary tiled GEMM (fp32 accumulator, tl.dot) whose B tile 
     scale multiplies the finished sum, once per output instead of once per weight. With group scales,
     each K tile (inside one group) gets its own small dot, scaled as it joins the accumulator.
 
-Decode has M <= 16 rows: one row of tiles across N is too few programs to keep the GPU's loads in
-flight (4096 columns / 64 = 64 programs for 132 SMs). Split-K cuts K into slices, each program sums
-one slice into an fp32 partial, and a sum over the slices finishes: enough programs for about two
-waves over the SMs (the same rule as FlashDecoding's split-KV, flash_decode.py). Prefill (M > 16) is
-compute-bound: there the weight is dequantized once and cuBLAS multiplies (wna16_dequant.py), since
-these tiles measured 0.04-0.12x cuBLAS there; the tiles still run any M when split_k is given. The tiles depend on M only through that one switch, so every
-M <= 16 gets the same summation order: a row's result does not depend on the batch it runs in.
+Decode has M <= 16 rows. w4a16_gemv.py is a GEMV for up to 4 rows (no tl.dot, the zero point folded,
+split-K summed in the kernel); it measured no faster than these tiles at M = 1 and slower at M = 4
+(chapter 08), so w4a16_gemm runs it only up to GEMV_M rows, 0 for now: one switch to flip once it
+wins, and until then every M <= 16 gets the tiles' summation order. For the tiles, one row
+across N is too few programs to keep the GPU's loads in flight (4096 columns / 64 = 64 programs for
+132 SMs): split-K cuts K into slices, each program sums one slice into an fp32 partial, and a sum over
+the slices finishes (the same rule as FlashDecoding's split-KV, flash_decode.py). Prefill (M > 16) is
+compute-bound: there the weight is dequantized once and cuBLAS multiplies (wna16_dequant.py); the
+tiles still run any M when split_k is given. The tiles depend on M only through that one switch, so
+every M <= 16 gets the same summation order: a row's result does not depend on its batch.
 
 The references beside the kernel dequantize the whole weight and multiply (the oracle of the tests,
-and what minillm runs on a CPU).
-
-Measured on an H100 (2026-11-25, bf16, Llama-3-8B linear shapes, CUDA-graph timing, .gpu/w4sweep.py;
-chapters/bench/h100-2026-11-25/ch08-w4a16-tiles.json) against cuBLAS, with the swept decode tiles:
-W8A16 1.3-1.9x at M = 1 and 16 (the sweep's best, bn 32, reached 1.7-1.9x); W4A16 (group 128) 1.1-1.3x
-at M = 1 and 0.5-0.7x at M = 16 -- far from the 3.5x its bytes allow (Marlin reaches 3.9x). Its K tile
-may not cross a group (one scale per tile), so it reads 32 bytes of a row at a time; a tile spanning
-several groups (per-column scales) is the next step. Prefill runs cuBLAS on the dequantized weight.
+and what minillm runs on a CPU). Measured speeds, and why the tiles miss at M = 1: chapter 08 and
+chapters/bench/ (the dated sweeps), not here.
 """
 
 from __future__ import annotations
@@ -55,9 +52,11 @@ from ..checks import check_int
 from .checks import FLOAT_DTYPES, INTERPRET, check_device, check_float_tensor, check_tensor
 from .flash_attn import dot
 from .flash_decode import sm_count
+from .w4a16_gemv import w4a16_gemv
 from .wna16_dequant import dequant_matmul, nibble_to_f32
 
 DECODE_M = 16  # up to this many rows: the decode tiles (one row of M, split-K)
+GEMV_M = 0  # up to this many rows (at most w4a16_gemv.MAX_ROWS): the GEMV; 0 = off (no faster yet)
 MAX_SPLIT_K = 16
 
 
@@ -232,10 +231,13 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
                group_size: int, *, split_k: int | None = None) -> torch.Tensor:
     """x [M, K] @ dequant(qweight)^T -> [M, N] in x's dtype, the int4 weight never dequantized in memory.
 
-    qweight uint8 [N, K/2] (pack_int4), scales and mins [N, K/group_size]; split_k None chooses: above
-    DECODE_M rows that is the prefill path (wna16_dequant.py: the weight dequantized once, then cuBLAS);
-    a given split_k always runs this kernel."""
+    qweight uint8 [N, K/2] (pack_int4), scales and mins [N, K/group_size]; split_k None chooses: up to
+    GEMV_M rows (0: none) the GEMV (w4a16_gemv.py, fp32 weights: W not rounded), above DECODE_M
+    rows the prefill path (wna16_dequant.py: the weight dequantized once, then cuBLAS), between them
+    these tiles; a given split_k always runs the tiles."""
     _check(x, qweight, scales, mins, group_size, 4, strict=True, split_k=split_k)
+    if split_k is None and x.shape[0] <= GEMV_M:
+        return w4a16_gemv(x, qweight, scales, mins, group_size)
     if split_k is None and x.shape[0] > DECODE_M:
         return dequant_matmul(x, qweight, scales, mins, group_size, 4)
     return _launch(x, qweight, scales, mins, group_size, 4, split_k)

@@ -227,15 +227,26 @@ def test_smollm2_int8_keeps_the_greedy_tokens(smollm_fp32, greedy_runs):
 def test_smollm2_int4(smollm_fp32, greedy_runs):
     """The embedded file is Q4_1: groups of 32 weights on a 16-level min-max grid. int4 at group 32 finds
     that grid again (the same weights, to fp32 rounding); group 64 must cover two Q4_1 ranges with one
-    and is far coarser (logits SQNR 8-15 dB, measured). Group 128 does not divide SmolLM2's 576."""
+    and is far coarser (logits SQNR 8-15 dB, measured). Group 128 does not divide SmolLM2's 576: left
+    unset, each layer takes the largest group that divides its inputs (64 there, 128 on down_proj)."""
     g32, _, _ = load_model(None, quantization={"method": "int4", "group_size": 32}, tokenizer=False)
     g64, _, _ = load_model(None, quantization={"method": "int4", "group_size": 64}, tokenizer=False)
+    llm = LLM(dtype="float32", device="cpu", quantization="int4")  # the default group, through the engine
+    auto = llm.model
     for ids, out in greedy_runs[:3]:
         want = _logits(smollm_fp32.model, ids + out)
         assert sqnr(want, _logits(g32, ids + out)) > 60
         assert sqnr(want, _logits(g64, ids + out)) > 5
+        assert sqnr(want, _logits(auto, ids + out)) > 5
+    for mine, by64 in zip(auto.model.layers, g64.model.layers):  # 576 inputs: group 64, the same tensors
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj"):
+            a, b = mine.get_submodule(name), by64.get_submodule(name)
+            assert a.quant_method.group_size == 64 and torch.equal(a.qweight, b.qweight)
+        down = mine.mlp.down_proj  # 1536 inputs: group 128, 12 groups a row
+        assert down.quant_method.group_size == 128 and down.scales.shape == (576, 12)
+    assert len(llm.generate("The capital of France is", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24
     with pytest.raises(ValueError, match="group_size 128 does not divide the 576 input features"):
-        LLM(dtype="float32", device="cpu", quantization="int4")
+        LLM(dtype="float32", device="cpu", quantization={"method": "int4", "group_size": 128})
     with pytest.raises(ValueError, match="quantization must be None or one of"):
         LLM(dtype="float32", device="cpu", quantization="int2")
 
