@@ -25,12 +25,12 @@ case "$part" in
     python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
     echo "commit ${COMMIT:-unknown}, $(date -u +%F)" | tee -a "$out/gpu.txt"
     [ -z "${FUSED:-}" ] || run fused-bench 120 python3 scripts/gpu/fused_decode.py
-    for m in smollm2-135m qwen3-0.6b; do
+    for m in ${LATENCY:-smollm2-135m qwen3-0.6b}; do
       run "latency-$m" 60 python3 -m minillm bench latency --model $m-dummy ${HF:---no-hf} --json "$out/latency-$m.json"
     done
-    run latency-smollm2-135m-skinny 45 env MINILLM_SKINNY_GEMM=1 python3 -m minillm bench latency --model smollm2-135m-dummy --no-hf --json "$out/latency-smollm2-135m-skinny.json"
-    run latency-llama-3-8b 80 python3 -m minillm bench latency --model llama-3-8b-dummy --no-hf --json "$out/latency-llama-3-8b.json"
-    for m in smollm2-135m qwen3-0.6b; do
+    [ -z "${SKINNY:-}" ] || run latency-smollm2-135m-skinny 45 env MINILLM_SKINNY_GEMM=1 python3 -m minillm bench latency --model smollm2-135m-dummy --no-hf --json "$out/latency-smollm2-135m-skinny.json"
+    [ -z "${LLAMA:-}" ] || run latency-llama-3-8b 80 python3 -m minillm bench latency --model llama-3-8b-dummy --no-hf --json "$out/latency-llama-3-8b.json"
+    for m in ${THROUGHPUT:-smollm2-135m qwen3-0.6b}; do
       run "throughput-$m" 60 python3 -m minillm bench throughput --model $m-dummy --no-hf --json "$out/throughput-$m.json"
     done
     run profile-smollm2 100 python3 -m minillm bench profile --model smollm2-135m-dummy --batch-sizes 1,64,256 --json "$out/profile-smollm2.json"
@@ -43,9 +43,11 @@ case "$part" in
         -q -n 8 -rfEs -p no:cacheprovider
     ;;
   C)
+    python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target $SITE --upgrade .
     for nb in ${NOTEBOOKS:-notebooks/13_fast_path.ipynb}; do
-      run "nb-$(basename $nb .ipynb)" 300 python3 -m minillm.nbrun "$nb"; cp "$nb" "$out/"
+      name=$(echo "$nb" | tr / _); run "nb-$name" 300 python3 -m minillm.nbrun "$nb"; cp "$nb" "$out/$name"
     done
     ;;
 esac
-cd "$out" && tar czf "results-$part.tgz" --exclude='*.tgz' . && find . -type f ! -name '*.tgz' -delete; ls -la
+# at most 8 files come back: everything in one archive (written outside the folder it reads)
+cd "$out" && tar czf "/tmp/results-$part.tgz" . ; find . -type f -delete; mv "/tmp/results-$part.tgz" .; ls -la
