@@ -224,6 +224,9 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, num_sms:
     return max(1, min(wanted, triton.cdiv(max_seqlen_k, SPLIT_GRAIN), MAX_SPLITS))
 
 
+MAX_FUSED_MERGE = 8  # splits the last program merges itself (flash_decode's fused_combine)
+
+
 @functools.cache
 def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
@@ -288,7 +291,10 @@ def flash_decode(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=N
         lse_part = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
     scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
     group = Hq // Hkv
-    fused = fused_combine and not single
+    # the last split merges the others one after another, a loop as long as the split count: cheap for a
+    # few, but a graphed batch-1 step cuts even a short sequence into up to MAX_SPLITS pieces, and then the
+    # combine kernel (one program per head, all splits at once) is faster (chapter 13's profile)
+    fused = fused_combine and not single and num_splits <= MAX_FUSED_MERGE
     counters = split_counters(q.device, B * Hkv) if fused else None
     _flash_decode_split[(num_splits, Hkv, B)](
         q, k_cache, v_cache, out, o_part, lse_part, seqused_k, block_table, counters, k_scale, v_scale,
