@@ -61,9 +61,8 @@ class Sequence:
         # Overlap scheduling (chapter 13): a token sampled on the GPU whose value the host does not know
         # yet (at most one), and its row in that step's sampled-token tensor; it counts in num_tokens so
         # the scheduler can give the sequence its next step before the token reaches the host.
-        self._num_pending = 0
+        self.num_pending = 0
         self.pending_row = -1
-        self.num_tokens = len(prompt_ids)  # len(token_ids) + num_pending, kept up to date (read every step)
         self.spec = SpecDecodeMetrics()
         # min_acceptance_rate's back-off: the running acceptance rate, the current pause (output tokens)
         # and the output length at which drafting resumes
@@ -78,15 +77,10 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     @property
-    def num_pending(self) -> int:
-        """Tokens sampled on the GPU whose values the host does not know yet (chapter 13); they count in
-        num_tokens, so the scheduler gives the sequence its next step before they arrive."""
-        return self._num_pending
-
-    @num_pending.setter
-    def num_pending(self, value: int) -> None:
-        self.num_tokens += value - self._num_pending
-        self._num_pending = value
+    def num_tokens(self) -> int:
+        """len(token_ids) plus the tokens sampled on the GPU whose values the host does not know yet
+        (num_pending, chapter 13), without building the list (the scheduler asks every step)."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
 
     def banned_tokens(self) -> list[int]:
         """Tokens that may not be sampled now: EOS and stop tokens before min_tokens are out."""
@@ -96,7 +90,6 @@ class Sequence:
 
     def append(self, token_id: int, logprob: float | None = None, entry: dict[int, Logprob] | None = None) -> None:
         self.output_ids.append(token_id)
-        self.num_tokens += 1
         if logprob is not None:
             self.cumulative_logprob += logprob
         if self.logprobs is not None and entry is not None:

@@ -72,7 +72,7 @@ def check_slot_mapping(fn, cases: int = 200):
     def reference(table, bs, start, end):
         # the engine's own step packing, for one sequence that has start tokens cached and brings end - start
         seq = SimpleNamespace(seq_id=0, num_computed_tokens=start, prompt_ids=[0] * end, output_ids=[], num_tokens=end,
-                              spec_token_ids=[])
+                              spec_token_ids=[], num_pending=0)
         return prepare_model_input([(seq, end - start)], {0: table}, bs, [end - start - 1]).slot_mapping
 
     def as_list(table, bs, start, end):
