@@ -53,8 +53,11 @@ def describe_device(dev: torch.device | None = None) -> str:
 
 
 def git_commit(where: Path | None = None) -> str:
-    """The short commit of the checkout this runs from (the package's, else the working directory's),
-    or $MINILLM_COMMIT where there is no git (a copied tree), or "unknown"."""
+    """$MINILLM_COMMIT when set (a copied tree on a GPU machine, whose .git, if any, may be another
+    commit's), else the short commit of the checkout this runs from (the package's, else the working
+    directory's), or "unknown"."""
+    if os.environ.get("MINILLM_COMMIT"):
+        return os.environ["MINILLM_COMMIT"]
     for cwd in (where, Path(__file__).resolve().parent, Path.cwd()):
         if cwd is None:
             continue
@@ -65,7 +68,7 @@ def git_commit(where: Path | None = None) -> str:
             continue
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout.strip()
-    return os.environ.get("MINILLM_COMMIT", "unknown")
+    return "unknown"
 
 
 def provenance(chapter: str) -> str:
