@@ -213,3 +213,17 @@ def test_greedy_tokens_flags_broken_rows():
     assert greedy_tokens(torch.tensor([[0.0, 3.0, 1.0], [inf, 0.0, 1.0]])) == [1, 0]
     assert greedy_tokens(torch.tensor([[0.0, nan, 1.0], [0.0, 2.0, 1.0]])) is None
     assert greedy_tokens(torch.tensor([[-inf, -inf, -inf], [0.0, 2.0, 1.0]])) is None
+
+
+def test_a_failed_request_is_logged_in_one_line(seed, tok, monkeypatch, caplog):
+    """Issue 30: a request whose step fails is logged as one line naming it and the error; the traceback
+    only at debug level (a server with many broken requests must not flood its log)."""
+    engine, _, rng = _engine(seed, tok)
+    monkeypatch.setattr(engine.executor, "execute_model", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    engine.add_request("r", {"prompt_token_ids": [rng.randrange(97) for _ in range(5)]}, SamplingParams(max_tokens=2))
+    with caplog.at_level("ERROR", logger="minillm.engine.llm_engine"):
+        outs = _drain(engine)
+    assert outs["r"].error == "RuntimeError: boom"
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].exc_info is None
+    assert "'r' failed in its step: RuntimeError: boom" in errors[0].getMessage()

@@ -383,7 +383,9 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         """End these requests with finish_reason "error" and free their blocks; the rest go on."""
         outputs = []
         for group, error in errors.items():
-            logger.error("request %r failed in its step", group.request_id, exc_info=error)
+            # one line per failed request; the traceback only at debug level (a broken request is not a crash)
+            logger.error("request %r failed in its step: %s: %s", group.request_id, type(error).__name__, error)
+            logger.debug("request %r: the step's traceback", group.request_id, exc_info=error)
             group.error = f"{type(error).__name__}: {error}"
             for s in group.seqs:
                 s.finish_reason = s.finish_reason or "error"
