@@ -97,9 +97,17 @@ def test_tp_logits_and_greedy_tokens_equal_tp1(case, seed, tmp_path):
     skip_without_devices(tp)
     folder = make_tiny(family, tmp_path / family, **changes)
     vocab = changes.get("vocab_size", VOCAB)
-    prompts = _prompts(seed, vocab)
     model, _, _ = load_model(folder, tokenizer=False, device=rank_device(0))
-    ref = run_model(model, prompts, STEPS)  # tp = 1, in this process
+    # prompts whose tp = 1 run has no near-tie of its top two logits in the first half of the steps (a
+    # near-tie may rightly go either way, and one at step 0 would leave the token check nothing to check):
+    # drawn from the seed, a few tries at most, so the oracle stays as strong whatever the seed
+    for attempt in range(16):
+        prompts = _prompts(seed * 16 + attempt, vocab)
+        ref = run_model(model, prompts, STEPS)  # tp = 1, in this process
+        tol = REL_TOL * ref["logits"].abs().max().item()
+        ties = [i for i, m in enumerate(ref["margins"]) if m <= 2 * tol]
+        if not ties or ties[0] >= STEPS // 2:
+            break
 
     run_ranks(_rank, tp, str(folder), prompts, str(tmp_path), timeout=300)
     got = torch.load(tmp_path / "rank0.pt")
