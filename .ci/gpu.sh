@@ -53,8 +53,8 @@ case "$1" in
     python3 -m pytest "$@" -q -n 8 -rfEs -p no:cacheprovider 2>&1 | tee "$out/pytest-gpu.log" || true
     ;;
   exec)
-    shift
-    python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target $SITE --upgrade .
+    shift  # SKIP_INSTALL=1: installed already (scripts/gpu/pair.sh runs two jobs on one install)
+    [ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target $SITE --upgrade .
     "$@"
     ;;
   *) echo "usage: $0 setup DIR | model DIR | run|notebooks OUT [NB..] | test OUT | kernels OUT | pytest OUT F.. | exec CMD.." >&2; exit 2 ;;

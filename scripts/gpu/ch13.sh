@@ -12,7 +12,8 @@ SITE=/tmp/minillm-site MODEL=/root/minillm-model/SmolLM2-135M-Instruct.Q4_1.gguf
 export PYTHONPATH=$SITE PATH=$SITE/bin:$PATH MINILLM_MODEL=$MODEL PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export MINILLM_COMMIT=${COMMIT:-unknown}  # what a notebook header records (the tree here has no .git)
 part=$1; out=${OUT:?}; mkdir -p "$out"
-install() {
+install() {  # SKIP_INSTALL=1: scripts/gpu/pair.sh installed once for both GPUs
+  [ -z "${SKIP_INSTALL:-}" ] || return 0
   python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE "$1"/*.whl
   python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target $SITE --upgrade .
 }
@@ -37,13 +38,14 @@ case "$part" in
     ;;
   B)
     install .gpu/nb
+    [ -n "${SKIP_INSTALL:-}" ] || python3 -m ipykernel install --user --name python3 >/dev/null 2>&1
     cat .gpu/model-b >> "$MODEL.part" && mv "$MODEL.part" "$MODEL" && ls -la "$MODEL"
     python3 -m ipykernel install --user --name python3 >/dev/null 2>&1
     run pytest-gpu "${TEST_LIMIT:-420}" python3 -m pytest ${TESTS:-tests/test_overlap.py tests/test_engine.py tests/test_spec_engine.py} \
         -q -n 8 -rfEs -p no:cacheprovider
     ;;
   C)
-    python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target $SITE --upgrade .
+    [ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target $SITE --upgrade .
     for nb in ${NOTEBOOKS:-notebooks/13_fast_path.ipynb}; do
       name=$(echo "$nb" | tr / _); run "nb-$name" 300 python3 -m minillm.nbrun "$nb"; cp "$nb" "$out/$name"
     done

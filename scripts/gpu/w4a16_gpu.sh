@@ -14,18 +14,20 @@ set -uo pipefail
 OUT=${OUT:-/tmp/w4a16-out}; LOGS=/tmp/w4a16-logs
 mkdir -p "$OUT" "$LOGS"
 trap 'tar czf "$OUT/logs.tgz" -C "$LOGS" .' EXIT
+PARTS=${PARTS:-tests sweep latency ncu}  # a subset, e.g. PARTS=latency: the end-to-end numbers alone
+has() { [[ " $PARTS " == *" $1 "* ]]; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; date -u;
   echo "commit ${MINILLM_COMMIT:-?}"; python -c "import torch, triton; print(torch.__version__, triton.__version__)"; } \
   > "$LOGS/env.txt" 2>&1
 
-timeout 150 python -m pytest -q -p no:cacheprovider -rs tests/test_kernels_w4a16_gemv.py \
+has tests && timeout 150 python -m pytest -q -p no:cacheprovider -rs tests/test_kernels_w4a16_gemv.py \
   "tests/test_kernels_w4a16.py::test_llama3_shapes_on_gpu" "tests/test_kernels_w4a16.py::test_w4a16_matches_dequantized_matmul" \
   > "$LOGS/tests.log" 2>&1; echo "tests rc=$?" >> "$LOGS/tests.log"
 
-timeout 95 python scripts/gpu/w4sweep.py --budget-s 65 > "$LOGS/w4sweep.log" 2>&1; echo "sweep rc=$?" >> "$LOGS/w4sweep.log"
+has sweep && timeout 95 python scripts/gpu/w4sweep.py --budget-s 65 > "$LOGS/w4sweep.log" 2>&1; echo "sweep rc=$?" >> "$LOGS/w4sweep.log"
 cp "$OUT/w4a16.json" "$LOGS/" 2>/dev/null
 
-for fmt in int4 bf16 int8; do
+has latency && for fmt in int4 bf16 int8; do
   q=(); [ "$fmt" != bf16 ] && q=(--quantization "$fmt")
   timeout 80 python -m minillm bench latency --model llama-3-8b-dummy "${q[@]}" --no-hf --num-iters 2 \
     --num-iters-warmup 1 --max-num-seqs 1 --max-num-batched-tokens 256 --cuda-graph-max-tokens 0 \
@@ -45,6 +47,6 @@ for N, K in ((4096, 4096), (28672, 4096)):
         w4a16_gemv(x, qw, s, m, 128)
 torch.cuda.synchronize()
 EOF
-timeout 30 ncu -k regex:w4a16_gemv --launch-skip 2 --launch-count 4 --metrics \
+has ncu && timeout 30 ncu -k regex:w4a16_gemv --launch-skip 2 --launch-count 4 --metrics \
   gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active \
   python /tmp/w4a16_ncu.py > "$LOGS/ncu.log" 2>&1; echo "ncu rc=$?" >> "$LOGS/ncu.log"
