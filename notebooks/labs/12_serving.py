@@ -254,7 +254,7 @@ ch12.check_arrival_times(arrival_times)
 # ## What you built
 #
 # These are the functions under every online serving benchmark and the server it measures.
-# `minillm bench serve` sends each request at a time from your arrival process, reads its stream with
+# `minillm bench serve` sends each request at a time from an arrival process like yours, reads its stream with
 # an incremental parser (`SSEParser.feed`, which also waits when a piece ends in `\r`, since it may be
 # half of a `\r\n`), timestamps each chunk with text, and then computes exactly what you wrote; on the
 # other side, the server merges each reader's rows as you did, so a loop under load pays less per token
