@@ -1,8 +1,11 @@
-"""Checks for lab 12: a serving benchmark's arithmetic and the stream it reads.
+"""Checks for lab 12: a serving benchmark's arithmetic, the stream it reads, the server's merged
+deltas and the client's arrivals.
 
-The references are the functions `minillm bench serve` itself uses (minillm/bench/serve_metrics.py):
-TTFT, TPOT, ITL and E2E of one request from its chunk timestamps, goodput under two SLOs, and the
-server-sent-events parser. Each check draws fresh random requests and streams.
+The references are the functions minillm itself uses: `minillm bench serve`'s (minillm/bench/
+serve_metrics.py) for TTFT, TPOT, ITL and E2E of one request from its chunk timestamps, goodput under
+two SLOs, and the server-sent-events parser; the server's deltas.outputs_of for merging the engine
+core's rows (ch12_deltas.py); serve_metrics.arrival_times for the Poisson/Gamma arrival process
+(ch12_arrivals.py, a statistical check). Each check draws fresh random requests, streams and rows.
 """
 
 from __future__ import annotations
@@ -11,8 +14,13 @@ import math
 import random
 
 from ..bench import serve_metrics as sm
+from .ch12_arrivals import check_arrival_times
+from .ch12_deltas import check_merge_rows
 from .checker import check
 from .hints import Hints
+
+__all__ = ["check_arrival_times", "check_goodput", "check_merge_rows", "check_parse_sse", "check_request_metrics",
+           "hint"]
 
 
 def _close(got, want) -> bool:
@@ -126,5 +134,29 @@ hint = Hints("12", {
         'Chunks are cut anywhere, even inside a line: join the bytes first, then split into lines.',
         "Lines end with \\r\\n, \\r or \\n; the last piece has no end and is unfinished (drop it). A blank line ends an event; 'data:' lines (one optional space after the colon) add a line to the event's data; other fields are ignored; an event without data lines sends nothing.",
         "for line in re.split(r'\\r\\n|\\r|\\n', text)[:-1]:\n    if line == '':\n        if data: events.append('\\n'.join(data))\n        data = []\n    elif line == 'data' or line.startswith('data:'):\n        v = line[5:]; data.append(v[1:] if v.startswith(' ') else v)",
+    ),
+    "merge_rows": (
+        "Walk the rows once, in order, keeping one entry per request id (a dict keeps the order in which ids first "
+        "appear); inside it, one entry per completion index.",
+        "What accumulates: the text pieces (join them once at the end) and the token ids, and the logprobs when a "
+        "row has them. What the last row says wins: finished, and per completion the cumulative logprob, "
+        "finish_reason and stop_reason. error and metrics: the last that is not None (only a request's last row has "
+        "them).",
+        "merged = {}\nfor rid, finished, error, metrics, outs in rows:\n    m = merged.setdefault(rid, [finished, error, "
+        "metrics, {}])\n    m[0], m[1], m[2] = finished, error or m[1], metrics or m[2]\n    for i, text, ids, cum, lps, "
+        "fin, stop in outs:\n        c = m[3].setdefault(i, [[], [], None, None, None, None])\n        c[0].append(text); "
+        "c[1] += ids\n        if lps is not None: c[3] = (c[3] or []) + list(lps)\n        c[2], c[4], c[5] = cum, "
+        "fin, stop\nreturn [(rid, f, e, mt, [(i, ''.join(t), ids, cum, lps, fin, stop) for i, (t, ids, cum, lps, fin, "
+        "stop) in cs.items()]) for rid, (f, e, mt, cs) in merged.items()]",
+    ),
+    "arrival_times": (
+        "A Poisson process of rate λ has independent exponential gaps of mean 1/λ; Gamma gaps of shape k and the same "
+        "mean generalize it. The times are the running sum of the gaps, starting at 0.",
+        "Gamma(shape k, scale θ) has mean kθ: for mean 1/λ take θ = 1/(kλ). random.Random(seed).gammavariate(k, θ) "
+        "draws one gap (expovariate takes the rate λ, not the mean). Refuse a rate that is not > 0 (`not rate > 0` "
+        "also catches NaN) and a burstiness outside (0, inf) with ValueError; rate inf: every time 0.0.",
+        "if not rate > 0: raise ValueError(...)\nif not (burstiness > 0 and math.isfinite(burstiness)): raise "
+        "ValueError(...)\nif math.isinf(rate): return [0.0] * num\nrng, t, times = random.Random(seed), 0.0, []\n"
+        "for _ in range(num):\n    times.append(t)\n    t += rng.gammavariate(burstiness, 1 / (rate * burstiness))",
     ),
 })

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -131,10 +133,130 @@ def parse_sse(chunks):
 ch12.check_parse_sse(parse_sse)
 
 # %% [markdown]
+# ## Exercise 4 — `merge_rows`: one output per request, however far behind the reader is
+#
+# The server's side now. After every step the engine core publishes one **row** per request it
+# changed (`minillm/engine/engine_core.py`), only what is new since the last one:
+#
+# ```
+# (request_id, finished, error, metrics, [(index, text, token_ids, cumulative_logprob, logprobs,
+#                                          finish_reason, stop_reason), ...])
+# ```
+#
+# with one entry per completion (`n > 1` gives several) that has news. `text` may be `""` while
+# `token_ids` is not (the detokenizer holds back what could be the start of a stop string) and the
+# reverse (held-back text released); `logprobs` is a list of one dict per token, or `None` when the
+# request asked for none; `finish_reason` is `None` until that completion ends. Only a request's last
+# row has `finished=True`, and its `metrics` (and `error`, if a step failed).
+#
+# Each reader (one response stream) finds the rows of its requests in its inbox. When the event loop
+# keeps up that is one step's rows; when it fell behind, several steps' worth, interleaved across its
+# requests. `deltas.outputs_of` makes **one output per request** of all of them, so the server pays
+# for one object, one SSE event and one socket write for $k$ steps' tokens. Write that merge, with
+# merged rows as its output: one per request, in the order requests first appear, each shaped like
+# a row, its completions in the order they first appear, with
+#
+# - the texts joined, the token ids and the logprobs (when there are any) concatenated in order;
+# - `finished`, and per completion `cumulative_logprob`, `finish_reason` and `stop_reason`, from the
+#   last row that has it; `error` and `metrics` the last that is not `None`.
+#
+# ```
+# [("a", False, None, None, [(0, "Hel", [9], None, None, None, None)]),
+#  ("b", False, None, None, [(0, "The", [4], None, None, None, None)]),
+#  ("a", True, None, stats, [(0, "lo", [17, 2], None, None, "stop", None)])]
+# -> [("a", True, None, stats, [(0, "Hello", [9, 17, 2], None, None, "stop", None)]),
+#     ("b", False, None, None, [(0, "The", [4], None, None, None, None)])]
+# ```
+#
+# The check simulates an engine: random requests (1–3 completions, logprobs or not, some aborted or
+# failed), a few readers, steps that row a random subset of the running requests (some steps row
+# nothing), readers that wake after a random number of steps; it hands you what one reader took at
+# one wake-up and compares your rows with what `outputs_of` returns.
+
+# %%
+def merge_rows(rows):
+    ### BEGIN SOLUTION
+    merged = {}  # request id -> [finished, error, metrics, {index: [texts, ids, cumulative, logprobs, finish, stop]}]
+    for rid, finished, error, metrics, outs in rows:
+        m = merged.setdefault(rid, [finished, error, metrics, {}])
+        m[0], m[1], m[2] = finished, error or m[1], metrics or m[2]
+        for index, text, ids, cumulative, logprobs, finish, stop in outs:
+            c = m[3].setdefault(index, [[], [], None, None, None, None])
+            c[0].append(text)
+            c[1].extend(ids)
+            if logprobs is not None:
+                c[3] = (c[3] or []) + list(logprobs)
+            c[2], c[4], c[5] = cumulative, finish, stop
+    return [(rid, finished, error, metrics,
+             [(i, "".join(texts), ids, cum, lps, finish, stop) for i, (texts, ids, cum, lps, finish, stop) in
+              choices.items()])
+            for rid, (finished, error, metrics, choices) in merged.items()]
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+ch12.check_merge_rows(merge_rows)
+
+# %% [markdown]
+# ## Exercise 5 — `arrival_times`: an open-loop Poisson (or Gamma) process
+#
+# A benchmark client that waits for one answer before it sends the next (a *closed loop*) lets the
+# server set the pace: a slow server gets fewer requests and looks fine. `minillm bench serve
+# --request-rate λ` is *open-loop*: it decides every send time in advance, whatever the server does,
+# as independent users would. Users arriving independently at rate $λ$ form a **Poisson process**:
+# the gaps between arrivals are independent and exponential with mean $1/λ$. `--burstiness k`
+# draws the gaps from a Gamma distribution of shape $k$ and scale $θ = 1/(kλ)$ instead: the same
+# mean $kθ = 1/λ$, variance $kθ^2 = 1/(kλ^2)$, so $k = 1$ is Poisson, $k < 1$ comes in bursts and
+# $k > 1$ is more regular.
+#
+# Write `arrival_times(num, rate, burstiness=1.0, seed=0)`: the send times of `num` requests, in
+# seconds after the first (so the first is `0.0`, then the running sum of the gaps), drawn from a
+# generator seeded with `seed` (the same seed, the same times). `rate = math.inf` sends everything at
+# once (all `0.0`); a rate that is not $> 0$ or a burstiness outside $(0, ∞)$ is a `ValueError`.
+#
+# Random numbers cannot be compared one by one, so the check tests what the process must be, on
+# 20,000 arrivals per $(λ, k)$ with a fixed seed, each test with a bound that a correct generator
+# exceeds with probability about $10^{-6}$ whatever the seed:
+#
+# - **the rate**: the mean of $n$ gaps has standard deviation $1/(λ\sqrt{kn})$, so
+#   $|\bar g λ - 1|\sqrt{kn} \le 5$;
+# - **the gaps' distribution**, by a Kolmogorov–Smirnov test against the Gamma CDF: the empirical CDF
+#   of $n$ draws is farther than $ε$ from the true one with probability at most $2e^{-2nε^2}$
+#   (the Dvoretzky–Kiefer–Wolfowitz inequality), which sets $ε$;
+# - **independence**: consecutive gaps uncorrelated, lag-1 correlation within $5/\sqrt n$;
+# - **minillm's generator**: your gaps' CDF within $2ε$ of those of `serve_metrics.arrival_times`.
+
+# %%
+import itertools
+import math
+import random
+
+
+def arrival_times(num, rate, burstiness=1.0, seed=0):
+    ### BEGIN SOLUTION
+    if not rate > 0:  # (NaN fails every comparison: `rate <= 0` would let it through)
+        raise ValueError(f"arrival_times: rate must be > 0 requests/s (inf: all at once), got {rate}")
+    if not 0 < burstiness < math.inf:
+        raise ValueError(f"arrival_times: burstiness (the gaps' Gamma shape) must be in (0, inf), got {burstiness}")
+    if num == 0 or math.isinf(rate):
+        return [0.0] * num
+    rng = random.Random(seed)
+    scale = 1.0 / (rate * burstiness)  # Gamma(k, θ) has mean kθ = 1/rate
+    gaps = [rng.gammavariate(burstiness, scale) for _ in range(num - 1)]
+    return [0.0, *itertools.accumulate(gaps)]
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+ch12.check_arrival_times(arrival_times)
+
+# %% [markdown]
 # ## What you built
 #
-# These are the three functions under every online serving benchmark. `minillm bench serve` sends each
-# request at a time drawn from a Poisson (or Gamma) process, reads its stream with an incremental
-# parser (`SSEParser.feed`, which also waits when a piece ends in `\r`, since it may be half of a
-# `\r\n`), timestamps each chunk with text, and then computes exactly what you wrote. Notebook 12
-# uses it to sweep the request rate and find the knee where queueing makes TTFT explode.
+# These are the functions under every online serving benchmark and the server it measures.
+# `minillm bench serve` sends each request at a time from an arrival process like yours, reads its stream with
+# an incremental parser (`SSEParser.feed`, which also waits when a piece ends in `\r`, since it may be
+# half of a `\r\n`), timestamps each chunk with text, and then computes exactly what you wrote; on the
+# other side, the server merges each reader's rows as you did, so a loop under load pays less per token
+# instead of falling further behind. Notebook 12 uses the client to sweep the request rate and find the
+# knee where queueing makes TTFT explode.
