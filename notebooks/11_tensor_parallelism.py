@@ -262,7 +262,9 @@ plt.show()
 
 # %% [markdown]
 # Flat at the left (α: the fixed cost), a slope of one at the right (β: the bandwidth). A decode message
-# sits at the far left, where only α counts.
+# sits at the far left, where only α counts. At $p = 2$ the ring and the one-shot all-reduce move the
+# same bytes and differ only in how many α they pay (2 against 1), so both fit the same curve, with α
+# halved for the ring; they part at $p \ge 4$, where the prediction below uses the ring.
 #
 # ## 5. One rank's GEMMs on the GPU
 #
