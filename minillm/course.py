@@ -62,6 +62,8 @@ CHAPTERS: tuple[Chapter, ...] = (
             ("minillm/layers/mla.py", "minillm/layers/moe.py", "kernels/mla_decode.py", "kernels/fused_moe.py",
              "minillm/models/mixtral.py", "minillm/models/qwen3_moe.py", "minillm/models/deepseek_v2.py",
              "minillm/bench/moe.py")),
+    Chapter("11", "Tensor parallelism", "11-tensor-parallelism.md", "11_tensor_parallelism", "11_tensor_parallelism",
+            ("minillm/distributed/", "minillm/layers/linear.py", "minillm/layers/vocab_parallel_embedding.py")),
     Chapter("12", "Serving", "12-serving.md", "12_serving", "12_serving",
             ("minillm/engine/async_llm_engine.py", "minillm/engine/core_client.py", "minillm/engine/core_process.py",
              "minillm/engine/engine_core.py", "minillm/entrypoints/openai/", "minillm/bench/serve.py",

@@ -6,24 +6,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jupytext
 import pytest
 import triton
 import triton.language as tl
 
 from minillm.labs import CheckFailed, ch13
+from minillm.labs.student import solution_namespace
 
 LAB = Path(__file__).resolve().parent.parent / "notebooks" / "labs" / "13_fast_path.py"
 
 
 @pytest.fixture(scope="module")
 def ns() -> dict:
-    """The lab's solution cells run in one namespace (its check cells left out)."""
-    cells = [c.source for c in jupytext.read(LAB).cells
-             if c.cell_type == "code" and "check" not in c.metadata.get("tags", [])]
-    out: dict = {}
-    exec(compile("\n\n".join(cells), LAB.name, "exec"), out)
-    return out
+    return solution_namespace(LAB)
 
 
 def test_solutions_pass(ns):

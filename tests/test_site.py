@@ -124,7 +124,7 @@ def _stray_escapes(dom: str) -> list[str]:
 @pytest.mark.parametrize("page", ["00-why-inference-is-different/", "01-tokenizer/", "02-the-model/", "03-kv-cache/",
                                   "04-flash-attention/", "05-paged-kv/", "06-prefix-caching/",
                                   "07-continuous-batching/", "08-quantization/", "09-speculative-decoding/",
-                                  "12-serving/"])
+                                  "11-tensor-parallelism/", "12-serving/"])
 def test_chapter_page_renders(site, page):
     _, base = site
     dom = _dom(f"{base}/{page}")

@@ -80,3 +80,17 @@ def build_student_labs(src: str | Path = "notebooks/labs", out: str | Path | Non
 def check_cells(nb) -> list[int]:
     """Indices of the cells that run a lab check (tagged `check`)."""
     return [i for i, c in enumerate(nb.cells) if CHECK_TAG in c.get("metadata", {}).get("tags", [])]
+
+
+def solution_namespace(lab: str | Path) -> dict:
+    """Run a solution lab's code cells (`lab`: its py:percent twin), its check cells left out, in one
+    namespace and return it: the lab's own functions, for tests that hold the checks to the solutions
+    and to the slips a student makes."""
+    import jupytext
+
+    lab = Path(lab)
+    cells = [c.source for c in jupytext.read(lab).cells
+             if c.cell_type == "code" and CHECK_TAG not in c.metadata.get("tags", [])]
+    out: dict = {}
+    exec(compile("\n\n".join(cells), lab.name, "exec"), out)
+    return out
