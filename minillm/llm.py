@@ -29,6 +29,8 @@ import torch
 from tqdm.auto import tqdm
 
 from .engine import EngineConfig, LLMEngine
+from .executor import MultiprocExecutor, start_tensor_parallel
+from .executor.multiproc_executor import check_tp_engine, check_tp_size, stop_workers
 from .generation import generate_sequences
 from .inputs import check_length, prompt_ids
 from .layers.quantization.kv_cache import calibrate_kv_scales, calibration_prompts, kv_cache_torch_dtype
@@ -63,12 +65,13 @@ def _dtype(dtype, device: torch.device) -> torch.dtype:
 
 class LLM:
     def __init__(self, model=None, dtype="auto", device="auto", load_format: str = "auto",
-                 enable_kv_cache: bool = True, quantization=None, **engine_args):
+                 enable_kv_cache: bool = True, quantization=None, tensor_parallel_size: int = 1, **engine_args):
         if not isinstance(enable_kv_cache, bool):
             raise TypeError(f"enable_kv_cache must be True or False, not {enable_kv_cache!r}")
         self.enable_kv_cache = enable_kv_cache
         self.device = _device(device)
         self.dtype = _dtype(dtype, self.device)
+        self.tensor_parallel_size = tp = check_tp_size(tensor_parallel_size, self.device)
         if load_format == "dummy":  # refused before a (possibly huge) model is built for nothing
             raise ValueError("load_format='dummy' has no tokenizer, and LLM needs one: use LLM with real models, "
                              "and minillm.loader.load_model(name, load_format='dummy') for speed work")
@@ -82,6 +85,22 @@ class LLM:
                 raise TypeError(f"unknown LLM argument: {e}") from None
         elif engine_args:
             raise ValueError(f"engine arguments {sorted(engine_args)} need enable_kv_cache=True")
+        procs = None
+        if tp > 1:  # chapter 11: this process becomes rank 0; the other ranks load their shards meanwhile
+            check_tp_engine(engine_config)
+            procs = start_tensor_parallel(tp, "minillm.loader:load_model", dict(
+                source=model, dtype=self.dtype, load_format=load_format, quantization=quantization, tokenizer=False),
+                engine_config, self.device.type)
+        try:
+            self._load(model, load_format, quantization, engine_config, procs)
+        except BaseException:
+            if procs is not None:
+                for p in procs:
+                    p.kill()
+                stop_workers(procs)
+            raise
+
+    def _load(self, model, load_format, quantization, engine_config, procs) -> None:
         self.model, self.config, self.tokenizer = load_model(model, dtype=self.dtype, device=self.device,
                                                              load_format=load_format, quantization=quantization)
         if self.tokenizer is None:
@@ -91,13 +110,27 @@ class LLM:
         self.sampler = Sampler()
         self._ids = itertools.count()
         self.max_model_len = self.config.max_position_embeddings
-        self.engine = None
+        self.engine, self.shut_down = None, False
         if engine_config is not None:
             kv_dtype = kv_cache_torch_dtype(engine_config.kv_cache_dtype)
             if kv_dtype is not None:  # a quantized KV cache: its scales from text, before the engine starts
                 calibrate_kv_scales(self.model, calibration_prompts(self.tokenizer), kv_dtype)
-            self.engine = LLMEngine(self.model, self.tokenizer, self.eos_token_ids, engine_config)
+            executor = MultiprocExecutor(procs, self.model, engine_config) if procs is not None else None
+            self.engine = LLMEngine(self.model, self.tokenizer, self.eos_token_ids, engine_config, executor=executor)
             self.max_model_len = self.engine.max_model_len
+
+    def shutdown(self) -> None:
+        """Let the engine's memory go (the KV pool, the CUDA graphs) and, with tensor parallelism, stop
+        the other ranks' processes. The LLM cannot generate afterwards."""
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine, self.shut_down = None, True
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -201,6 +234,8 @@ class LLM:
     # ---- checking input -------------------------------------------------------------------------
 
     def _prepare(self, prompts, sampling_params):
+        if self.shut_down:
+            raise RuntimeError("this LLM was shut down; create a new one")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:

@@ -85,6 +85,8 @@ class GroupCoordinator:
             return x
         if self._emulated(x):
             parts = self._gather_parts(x)
+        elif self.backend == "nccl":  # an all-gather, not NCCL's point-to-point gather: a collective
+            parts = self._gather_parts(x)  # every CUDA graph capture takes (the decode step's logits)
         else:
             x = x.contiguous()
             parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == dst else None
@@ -105,6 +107,15 @@ class GroupCoordinator:
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=self.cpu_group)
         return box[0]
+
+    def all_reduce_min(self, values: list[int]) -> list[int]:
+        """The element-wise minimum of a few integers over the ranks, on every rank (through the CPU
+        group): how many KV blocks fit is the smallest count any rank's memory holds."""
+        if self.world_size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64)  # [n]
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return t.tolist()
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -146,6 +157,9 @@ class SimulatedGroup(GroupCoordinator):
 
     def broadcast_object(self, obj=None, src=0):
         return obj
+
+    def all_reduce_min(self, values):
+        return list(values)
 
     def barrier(self):
         pass

@@ -124,7 +124,7 @@ class StepGraphs:
         step = self.steps.get(shape) or self._capture(shape)
         step()
         self.replays[shape] += 1
-        return self.logits[: len(logits_indices)]
+        return None if self.logits is None else self.logits[: len(logits_indices)]  # None: TP rank > 0
 
     def _fill(self, shape: Shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices,
               dst: list[int] = (), src: list[int] = ()) -> None:
@@ -161,16 +161,23 @@ class StepGraphs:
         # Warm-up, outside the capture: Triton compiles and autotunes here. It runs on the inputs in the
         # buffers: dummies at start-up, or the step being served (writing its K/V twice is harmless).
         logits = forward()
-        if self.logits is None:
-            self.logits = torch.empty(self.max_logits, logits.shape[-1], dtype=logits.dtype, device=self.device)
-        out = self.logits[:R]
+        if logits is None:  # a tensor-parallel rank other than 0 (chapter 11): it sends its slice, keeps none
+            def step() -> None:
+                forward()
+        else:
+            if self.logits is None:
+                self.logits = torch.empty(self.max_logits, logits.shape[-1], dtype=logits.dtype, device=self.device)
+            out = self.logits[:R]
+
+            def step() -> None:
+                out.copy_(forward())
         if not self.capture:
-            self.steps[shape] = lambda: out.copy_(forward())
-            return self.steps[shape]
+            self.steps[shape] = step
+            return step
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out.copy_(forward())
+            step()
         self.steps[shape] = graph.replay
         return graph.replay
 

@@ -1,0 +1,130 @@
+"""Chapter 11's engine oracle: `LLM(tensor_parallel_size=N)` (this process rank 0, N - 1 worker processes,
+gloo on CPU) makes the greedy tokens of the same model at size 1, with batching, preemption, prefix
+caching and chunked prompts on; bad settings fail before any process starts; a worker that dies ends
+the next call in a clear error, not a hang.
+
+Tolerance: the sharded model sums each row-parallel layer's products in tp parts instead of one, a
+reordering that moves fp32 logits by ~1e-5 of their size (tests/test_tp_model.py derives it). Greedy
+tokens can therefore differ only where size 1's two best tokens are within that of each other; the
+oracle compares every sequence up to its first step whose top-2 log-probability gap is under 1e-3
+(two orders of magnitude above the reordering), and asserts that this cuts little.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+from tiny_models import VOCAB, make_tiny
+
+from minillm import LLM, SamplingParams
+from minillm.distributed import model_parallel_is_initialized
+
+TIE = 1e-3
+ENGINE = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=48, block_size=4,
+              num_gpu_blocks=40, enable_prefix_caching=True)
+
+
+def _prompts(seed: int) -> list[dict]:
+    """Random ids; two share a 20-token prefix (prefix caching), one is longer than the token budget
+    (a chunked prompt)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(VOCAB) for _ in range(20)]
+    lens = [rng.randint(3, 12) for _ in range(3)] + [60]
+    prompts = [shared + [rng.randrange(VOCAB) for _ in range(4)], shared + [rng.randrange(VOCAB) for _ in range(7)]]
+    prompts += [[rng.randrange(VOCAB) for _ in range(n)] for n in lens]
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def _greedy(llm, prompts, n: int, logprobs: int | None = None):
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _until_tie(out) -> int:
+    """How many of a size-1 output's tokens are decided by more than TIE (its first near-tie ends it)."""
+    for i, step in enumerate(out.logprobs):
+        top = sorted((lp.logprob for lp in step.values()), reverse=True)
+        if len(top) > 1 and top[0] - top[1] < TIE:
+            return i
+    return len(out.token_ids)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny("llama3", tmp_path_factory.mktemp("tp-engine"))  # 2 KV heads, biases, untied head
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])  # True: the last step's tokens go to rank 1 too
+def test_tp2_engine_makes_the_tokens_of_tp1(tiny, async_scheduling):
+    prompts, steps = _prompts(random.randrange(1 << 30)), 24
+    with LLM(tiny, **ENGINE) as ref:
+        want = _greedy(ref, prompts, steps, logprobs=2)
+    assert not model_parallel_is_initialized()
+    # 40 blocks of 4 tokens hold the 6 sequences' 24 + up to 84 tokens only by preempting some
+    with LLM(tiny, tensor_parallel_size=2, async_scheduling=async_scheduling, **ENGINE) as llm:
+        got = _greedy(llm, prompts, steps)
+        stats = llm.engine.engine_stats
+        assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0, "the run must exercise both"
+        alone = [_greedy(llm, [p], steps)[0] for p in prompts[:2]]  # the engine oracle: batched = alone
+    compared = 0
+    for w, g in zip(want, got):
+        k = _until_tie(w)
+        assert g.token_ids[:k] == w.token_ids[:k]
+        compared += k
+    assert compared >= len(want) * steps // 2, "too many near-ties to compare: the test proves too little"
+    assert [a.token_ids for a in alone] == [g.token_ids for g in got[:2]]
+    assert not model_parallel_is_initialized(), "shutdown leaves the group"
+
+
+@pytest.mark.slow
+def test_the_embedded_model_at_tp3_makes_the_tokens_of_tp1():
+    prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+    with LLM(device="cpu", dtype="float32") as ref:
+        want = _greedy(ref, prompts, 16, logprobs=2)
+    with LLM(device="cpu", dtype="float32", tensor_parallel_size=3) as llm:
+        got = _greedy(llm, prompts, 16)
+    for w, g in zip(want, got):
+        k = _until_tie(w)
+        assert k >= 8 and g.token_ids[:k] == w.token_ids[:k]
+
+
+def test_a_dead_worker_ends_in_a_clear_error_not_a_hang(tiny):
+    llm = LLM(tiny, tensor_parallel_size=2, **ENGINE)
+    try:
+        assert len(_greedy(llm, _prompts(1)[:2], 4)) == 2
+        proc = llm.engine.executor.procs[0]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank 1 exited"):
+            _greedy(llm, _prompts(2)[:2], 4)
+        with pytest.raises(RuntimeError, match="rank 1 exited|failed earlier"):  # and it stays failed
+            _greedy(llm, _prompts(3)[:1], 4)
+        assert time.monotonic() - start < 30
+    finally:
+        llm.shutdown()
+    assert not model_parallel_is_initialized()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
+    (dict(tensor_parallel_size=2.0), "tensor_parallel_size must be a positive integer"),
+    (dict(tensor_parallel_size=2, enable_kv_cache=False), "needs the engine"),
+    (dict(tensor_parallel_size=2, kv_cache_dtype="int8"), "kv_cache_dtype"),
+    (dict(tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     "speculative decoding"),
+])
+def test_settings_tp_cannot_run_fail_before_any_process_starts(tiny, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(tiny, device="cpu", dtype="float32", **kwargs)
+    assert not model_parallel_is_initialized()
+
+
+def test_a_size_the_heads_do_not_divide_fails_clearly_and_stops_the_workers(tiny):
+    with pytest.raises(ValueError, match="divis|divide"):
+        LLM(tiny, device="cpu", dtype="float32", tensor_parallel_size=3)  # 4 heads, 2 KV heads
+    assert not model_parallel_is_initialized()
