@@ -54,7 +54,7 @@ def _load(args):
     # prefill step, cheaper run eagerly than captured for a single use
     return LLM(args.model, dtype=args.dtype, device=args.device, cuda_graph_max_batch=1, cuda_graph_max_tokens=0,
                kv_cache_dtype=args.kv_cache_dtype, quantization=_quantization(args),
-               speculative_config=_speculative(args))
+               speculative_config=_speculative(args), tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _speculative(args):
@@ -286,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "int8"],
                        help="KV cache storage: auto (the model's dtype), fp8 (e4m3) or int8 with calibrated scales")
         g.add_argument("--quantization", default=None, help=QUANTIZATION_HELP)
+        g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                       help="split the model over N GPUs (or N CPU processes), one worker process each (chapter 11)")
         add_speculative_args(g)
         g.set_defaults(fn=_generate if name == "generate" else _chat)
 

@@ -32,6 +32,8 @@ import torch
 
 from ..checks import check_int
 from ..engine import EngineConfig, LLMEngine
+from ..executor import MultiprocExecutor, start_tensor_parallel
+from ..executor.multiproc_executor import check_tp_engine, check_tp_size, stop_workers
 from ..hw import default_device
 from ..sampling import SamplingParams
 from . import hf_peer
@@ -65,12 +67,35 @@ def _sizes(defaults: dict, given: dict, device: torch.device) -> dict:
     return out
 
 
-def _engine(models, engine_args: dict, progress: bool) -> LLMEngine:
+def _engine_config(engine_args: dict) -> EngineConfig:
     unknown = sorted(set(engine_args) - set(ENGINE_ARGS))
     if unknown:
         raise ValueError(f"unknown engine arguments {unknown}; allowed: {', '.join(ENGINE_ARGS)}")
-    args = {k: v for k, v in engine_args.items() if v is not None}
-    return LLMEngine(models.model, models.tokenizer, models.config.eos_token_ids, EngineConfig(**args), progress)
+    return EngineConfig(**{k: v for k, v in engine_args.items() if v is not None})
+
+
+def _load(model, device: torch.device, quantization, engine_args: dict, tp: int, hf: bool):
+    """-> (models, the engine's config, the tensor-parallel worker processes or None). With tp > 1 this
+    process becomes rank 0 and loads its shard (chapter 11); the HF peer cannot shard: hf must be off."""
+    config = _engine_config(engine_args)
+    check_tp_size(tp, device)
+    if tp == 1:
+        return load_models(model, device, quantization=quantization), config, None
+    if hf:
+        raise ValueError("the HF generate peer runs on one device: use --no-hf with --tensor-parallel-size > 1")
+    check_tp_engine(config)
+    procs = start_tensor_parallel(tp, "minillm.bench.serving_setup:load_models",
+                                  dict(model=model, quantization=quantization), config, device.type)
+    try:
+        return load_models(model, device, quantization=quantization), config, procs
+    except BaseException:
+        stop_workers(procs)
+        raise
+
+
+def _engine(models, config: EngineConfig, progress: bool, procs=None) -> LLMEngine:
+    executor = MultiprocExecutor(procs, models.model, config) if procs is not None else None
+    return LLMEngine(models.model, models.tokenizer, models.config.eos_token_ids, config, progress, executor)
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -104,7 +129,7 @@ def throughput(model=None, *, num_requests: int | None = None, min_input_len: in
                max_input_len: int | None = None, min_output_len: int | None = None,
                max_output_len: int | None = None, seed: int = 0, hf: bool = True, hf_batch_size: int | None = None,
                hf_requests: int | None = None, device=None, json_path=None, progress: bool = True,
-               quantization=None, **engine_args) -> dict:
+               quantization=None, tensor_parallel_size: int = 1, **engine_args) -> dict:
     """Offline throughput of LLMEngine on random requests, and of HF static batching on the same ones."""
     device = default_device() if device is None else torch.device(device)
     s = _sizes(THROUGHPUT_SIZES, dict(num_requests=num_requests, min_input_len=min_input_len,
@@ -120,7 +145,7 @@ def throughput(model=None, *, num_requests: int | None = None, min_input_len: in
     if n_hf > s["num_requests"]:
         raise ValueError(f"hf_requests ({n_hf}) must be <= num_requests ({s['num_requests']})")
 
-    models = load_models(model, device, quantization=quantization)
+    models, config, procs = _load(model, device, quantization, engine_args, tensor_parallel_size, hf)
     longest = s["max_input_len"] + s["max_output_len"]
     if longest > models.config.max_position_embeddings:
         raise ValueError(f"max_input_len + max_output_len = {longest} exceeds the model's context "
@@ -132,7 +157,7 @@ def throughput(model=None, *, num_requests: int | None = None, min_input_len: in
                   f"outputs {s['min_output_len']}-{s['max_output_len']} tokens (random ids, greedy, EOS ignored); "
                   f"{models.label}, {models.dtype_name}")
 
-    engine = _engine(models, engine_args, progress)
+    engine = _engine(models, config, progress, procs)
     engine.warm_up(s["max_input_len"])  # outside the clock: Triton tunes the prefill kernel per length bucket
     preempted_before = engine.stats["num_preemptions"]
     start = time.perf_counter()
@@ -186,7 +211,8 @@ def throughput(model=None, *, num_requests: int | None = None, min_input_len: in
     print(f"KV blocks: peak {ours['peak_used_blocks']} of {ours['num_blocks']} "
           f"(block_size {engine.config.block_size}), {ours['num_preemptions']} preemptions")
     result = {**info, "workload": "throughput", "model": models.label, "dtype": models.dtype_name,
-              "device": str(device), "seed": seed, **s, "hf_requests": n_hf if hf else None,
+              "device": str(device), "tensor_parallel_size": tensor_parallel_size, "seed": seed, **s,
+              "hf_requests": n_hf if hf else None,
               "engine_config": {k: getattr(engine.config, k) for k in ENGINE_ARGS},
               "minillm": ours, "hf": peer, "ratio": ratio, "requests": per_request}
     return _write(result, json_path)
@@ -215,7 +241,7 @@ def _latency_row(engine: str, runs: list[tuple[float, list[float]]], floor_s: fl
 
 def latency(model=None, *, input_len: int | None = None, output_len: int | None = None, num_iters: int = 3,
             num_iters_warmup: int = 1, seed: int = 0, hf: bool = True, device=None, json_path=None,
-            progress: bool = True, quantization=None, **engine_args) -> dict:
+            progress: bool = True, quantization=None, tensor_parallel_size: int = 1, **engine_args) -> dict:
     """Batch-1 latency through LLMEngine and HF generate, against the weight-reading floor."""
     device = default_device() if device is None else torch.device(device)
     s = _sizes(LATENCY_SIZES, dict(input_len=input_len, output_len=output_len), device)
@@ -225,7 +251,7 @@ def latency(model=None, *, input_len: int | None = None, output_len: int | None 
         raise ValueError(f"output_len must be >= 2 (decode speed is measured after the first token), not {output_len}")
     check_int("num_iters", num_iters)
     check_int("num_iters_warmup", num_iters_warmup, 0)
-    models = load_models(model, device, quantization=quantization)
+    models, config, procs = _load(model, device, quantization, engine_args, tensor_parallel_size, hf)
     if s["input_len"] + s["output_len"] > models.config.max_position_embeddings:
         raise ValueError(f"input_len + output_len = {s['input_len'] + s['output_len']} exceeds the model's "
                          f"context ({models.config.max_position_embeddings} tokens)")
@@ -237,7 +263,7 @@ def latency(model=None, *, input_len: int | None = None, output_len: int | None 
                   f"{models.dtype_name}")
     floor_s = _decode_floor(models, s["input_len"], s["output_len"], info["copy_gbps"])
 
-    engine, runs = _engine(models, engine_args, progress), []
+    engine, runs = _engine(models, config, progress, procs), []
     for i, prompt in enumerate(prompts):
         out = _run_all(engine, [(prompt, s["output_len"])], f"latency-{i}-", progress=False)[f"latency-{i}-0"]
         if len(out.outputs[0].token_ids) != s["output_len"]:
@@ -260,9 +286,11 @@ def latency(model=None, *, input_len: int | None = None, output_len: int | None 
     if hf:
         print(f"minillm / HF decode tok/s: {ratio:.2f}x; TTFT HF / minillm: "
               f"{rows[1]['ttft_ms'] / rows[0]['ttft_ms']:.2f}x")
-    print(f"floor: {models.weight_bytes() / 1e6:.1f} MB of weights + {models.kv_bytes_per_token()} B of K/V per "
+    shard = f" (rank 0's shard of {tensor_parallel_size})" if tensor_parallel_size > 1 else ""
+    print(f"floor: {models.weight_bytes() / 1e6:.1f} MB of weights{shard} + {models.kv_bytes_per_token()} B of K/V per "
           f"cached token per step, at {info['copy_gbps']:.0f} GB/s measured copy bandwidth")
     result = {**info, "workload": "latency", "model": models.label, "dtype": models.dtype_name, "device": str(device),
+              "tensor_parallel_size": tensor_parallel_size,
               "seed": seed, **s, "engine_config": {k: getattr(engine.config, k) for k in ENGINE_ARGS},
               "num_iters": num_iters, "num_iters_warmup": num_iters_warmup,
               "weight_bytes": models.weight_bytes(), "kv_bytes_per_token": models.kv_bytes_per_token(),
@@ -298,6 +326,8 @@ def add_arguments(parser, workload: str) -> None:
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks", "cuda_graph_max_tokens"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N ranks (chapter 11): one GPU each, or N CPU processes (gloo)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3", "int8"],
                    help="KV cache storage (chapter 08): fp8/int8 hold twice the tokens of bf16")
     p.add_argument("--quantization", type=_quantization, default=None, help="weights in fewer bits: int8, int4, "

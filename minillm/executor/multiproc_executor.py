@@ -24,6 +24,7 @@ that call and exit when it shuts down (gpt-fast's way of starting ranks).
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import subprocess
@@ -130,6 +131,7 @@ class MultiprocExecutor(Executor):
         self.failed: BaseException | None = None
         self.worker = Worker(model, config)
         self.sizes = self.worker.sizes
+        atexit.register(self.shutdown)  # a script that ends without shutdown() still stops its ranks cleanly
 
     def _dead(self) -> str | None:
         dead = [(r, p.returncode) for r, p in enumerate(self.procs, start=1) if p.poll() is not None]
@@ -191,6 +193,7 @@ class MultiprocExecutor(Executor):
                 self.group.broadcast_object(("shutdown", ()), src=0)
             except Exception:  # a rank died meanwhile: the kill below ends the others
                 pass
+        atexit.unregister(self.shutdown)
         self.worker.shutdown()
         if self.failed is not None:
             for p in self.procs:

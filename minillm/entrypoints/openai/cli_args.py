@@ -68,6 +68,8 @@ def _positive_ms(value: str) -> float:
 
 # (flag, EngineConfig field, type, help); the default is EngineConfig's
 ENGINE_FLAGS = [
+    ("--tensor-parallel-size", "tensor_parallel_size", positive_int,
+     "split the model over N GPUs, one worker process each (chapter 11)"),
     ("--block-size", "block_size", int, "tokens per KV block"),
     ("--num-gpu-blocks", "num_gpu_blocks", int, "KV blocks in the pool (default: what the memory allows)"),
     ("--gpu-memory-utilization", "gpu_memory_utilization", float, "share of the GPU's memory to fill"),
