@@ -17,5 +17,5 @@ python3 -m ipykernel install --user --name python3 >/dev/null 2>&1 || true
 CUDA_VISIBLE_DEVICES=0 OUT="$out/gpu0" bash -c "$1" > "$out/gpu0/job.log" 2>&1 &
 CUDA_VISIBLE_DEVICES=1 OUT="$out/gpu1" bash -c "$2" > "$out/gpu1/job.log" 2>&1 &
 wait
-tail -5 "$out"/gpu*/job.log
+tail -n 5 "$out"/gpu*/job.log
 cd "$out" && tar czf /tmp/pair.tgz . && find . -type f -delete && mv /tmp/pair.tgz . && ls -la
