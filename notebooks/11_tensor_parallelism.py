@@ -419,7 +419,7 @@ print(f"prompt {prompt}\n  TP = 1 (LLMEngine):  {tp1}\n  TP = 2 (2 processes): {
 # processes (gloo), on any machine, and compare with the same prompts at size 1.
 
 # %%
-from minillm import LLM, SamplingParams  # noqa: E402
+from minillm import LLM, SamplingParams
 
 tp_prompts = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
 tp_params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
