@@ -158,10 +158,15 @@ def append_tokens(seqs: list[Sequence], out, tokenizer) -> None:
         return
     lps, ranks = out.logprobs.tolist(), out.ranks.tolist()
     tops = (out.top_ids.tolist(), out.top_logprobs.tolist()) if out.top_ids is not None else None
+    known = len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else None
+
+    def text(tid: int) -> str:  # an id past the tokenizer (a padded embedding) has no text (detokenizer.py)
+        return "" if known is not None and tid >= known else tokenizer.decode([tid])
+
     for row, (s, t) in enumerate(zip(seqs, ids)):
-        entry = {t: Logprob(lps[row], ranks[row], tokenizer.decode([t]))}
+        entry = {t: Logprob(lps[row], ranks[row], text(t))}
         if tops is not None:
             k = s.params.logprobs or 0
             for rank, (tid, lp) in enumerate(zip(tops[0][row][:k], tops[1][row][:k]), start=1):
-                entry.setdefault(tid, Logprob(lp, rank, tokenizer.decode([tid])))
+                entry.setdefault(tid, Logprob(lp, rank, text(tid)))
         s.append(t, lps[row], entry)

@@ -121,6 +121,19 @@ def test_detokenizer_never_emits_half_a_character(tok):
     assert "".join(pieces) == text
 
 
+def test_detokenizer_gives_no_text_for_ids_past_the_tokenizer(tok, seed):
+    """A model whose embedding is padded past its tokenizer can sample such an id: it adds no text
+    (HF's decode skips ids without a token), and the known ids around it decode as without it."""
+    rng = random.Random(seed)
+    known = [rng.randrange(tok.vocab_size) for _ in range(20)]
+    ids = list(known)
+    for at in sorted(rng.sample(range(len(ids) + 1), 3), reverse=True):
+        ids.insert(at, tok.vocab_size + rng.randrange(64))
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.step(i) for i in ids] + [detok.flush()]
+    assert "".join(pieces) == tok.decode(known)
+
+
 def test_detokenizer_can_skip_special_tokens(tok):
     ids = tok.encode("<|im_start|>assistant\nHi<|im_end|>")
     detok = IncrementalDetokenizer(tok, skip_special_tokens=True)

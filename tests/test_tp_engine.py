@@ -22,11 +22,12 @@ import torch
 from tiny_models import VOCAB, make_tiny
 
 from minillm import LLM, SamplingParams
-from minillm.distributed import model_parallel_is_initialized
+from minillm.distributed import model_parallel_is_initialized, run_ranks
+from minillm.loader import load_model
 
 TIE = 1e-3
 ENGINE = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=48, block_size=4,
-              num_gpu_blocks=40, enable_prefix_caching=True)
+              num_gpu_blocks=24, enable_prefix_caching=True)
 
 
 def _prompts(seed: int) -> list[dict]:
@@ -56,7 +57,8 @@ def _until_tie(out, tie: float = TIE) -> int:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return make_tiny("llama3", tmp_path_factory.mktemp("tp-engine"))  # 2 KV heads, biases, untied head
+    # 2 KV heads, biases, an untied head, and 3 rows past the tokenizer (a padded vocabulary: an odd split)
+    return make_tiny("llama3", tmp_path_factory.mktemp("tp-engine"), vocab_size=VOCAB + 3)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])  # True: the last step's tokens go to rank 1 too
@@ -65,12 +67,12 @@ def test_tp2_engine_makes_the_tokens_of_tp1(tiny, async_scheduling):
     with LLM(tiny, **ENGINE) as ref:
         want = _greedy(ref, prompts, steps, logprobs=2)
     assert not model_parallel_is_initialized()
-    # 40 blocks of 4 tokens hold the 6 sequences' 24 + up to 84 tokens only by preempting some
+    # 24 blocks of 4 tokens: the longest sequence (60 + 24 tokens) fits alone, four running ones do not
     with LLM(tiny, tensor_parallel_size=2, async_scheduling=async_scheduling, **ENGINE) as llm:
         got = _greedy(llm, prompts, steps)
-        stats = llm.engine.engine_stats
-        assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0, "the run must exercise both"
         alone = [_greedy(llm, [p], steps)[0] for p in prompts[:2]]  # the engine oracle: batched = alone
+        stats = llm.engine.engine_stats  # the runs alone find their prompts' blocks cached
+        assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0, "the run must exercise both"
     compared = 0
     for w, g in zip(want, got):
         k = _until_tie(w)
@@ -79,6 +81,44 @@ def test_tp2_engine_makes_the_tokens_of_tp1(tiny, async_scheduling):
     assert compared >= len(want) * steps // 2, "too many near-ties to compare: the test proves too little"
     assert [a.token_ids for a in alone] == [g.token_ids for g in got[:2]]
     assert not model_parallel_is_initialized(), "shutdown leaves the group"
+
+
+def _int8_shards(rank: int, world_size: int, folder) -> list:
+    """This rank's int8 weights and scales of every row-parallel layer of block 0."""
+    model = load_model(folder, quantization="int8", tokenizer=False)[0]
+    block = model.model.layers[0]
+    return [(m.qweight, m.scales) for m in (block.self_attn.o_proj, block.mlp.down_proj)]
+
+
+def test_int8_row_parallel_shards_are_the_slices_of_tp1s_int8_weights(tiny):
+    """The scale of a row comes from the whole row: an all-reduce of the ranks' maxima. Each rank's
+    int8 weights are then exactly TP = 1's, sliced by input features, with TP = 1's scales."""
+    model = load_model(tiny, quantization="int8", tokenizer=False)[0]
+    block = model.model.layers[0]
+    whole = [(m.qweight, m.scales) for m in (block.self_attn.o_proj, block.mlp.down_proj)]
+    per_rank = run_ranks(_int8_shards, 2, tiny)
+    for layer, (q, scales) in enumerate(whole):
+        k = q.shape[1] // 2
+        for rank, shards in enumerate(per_rank):
+            q_r, s_r = shards[layer]
+            assert torch.equal(s_r, scales)
+            assert torch.equal(q_r, q[:, rank * k:(rank + 1) * k])
+
+
+def test_int8_at_tp2_makes_the_tokens_of_int8_at_tp1(tiny):
+    """Quantized on the fly after sharding: a row-parallel rank's int8 scales come from the whole row
+    (an all-reduce of the ranks' maxima), so each rank holds TP = 1's int8 weights, sliced."""
+    prompts, steps = _prompts(random.randrange(1 << 30))[:3], 12
+    with LLM(tiny, quantization="int8", device="cpu", dtype="float32") as ref:
+        want = _greedy(ref, prompts, steps, logprobs=2)
+    with LLM(tiny, quantization="int8", device="cpu", dtype="float32", tensor_parallel_size=2) as llm:
+        got = _greedy(llm, prompts, steps)
+    compared = 0
+    for w, g in zip(want, got):
+        k = _until_tie(w)
+        assert g.token_ids[:k] == w.token_ids[:k]
+        compared += k
+    assert compared >= len(want) * steps // 2
 
 
 @pytest.mark.slow

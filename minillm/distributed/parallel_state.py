@@ -56,6 +56,14 @@ class GroupCoordinator:
         dist.all_reduce(x, group=self.device_group)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The element-wise maximum over the ranks, in place: a row-parallel layer's per-output-channel
+        quantization scale is the largest |w| of the whole row, which no single rank holds."""
+        if self.world_size == 1:
+            return x
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.device_group)
+        return x
+
     def _gather_parts(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's x, in rank order, on this rank."""
         x = x.contiguous()
@@ -160,6 +168,9 @@ class SimulatedGroup(GroupCoordinator):
 
     def all_reduce_min(self, values):
         return list(values)
+
+    def all_reduce_max(self, x):
+        return x
 
     def barrier(self):
         pass

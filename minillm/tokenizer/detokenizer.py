@@ -55,12 +55,18 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # a model's embedding may have more rows than its tokenizer has tokens (vocabularies padded to a
+        # multiple of 64 or 128, e.g. Qwen2.5's 151,936 for 151,665 tokens); a sampled id past the
+        # tokenizer's adds no text, as HF tokenizers' decode skips ids it has no token for
+        self.num_known = len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else None
         self.token_ids: list[int] = []
         self.text = ""  # everything emitted so far
         self._pending = b""  # bytes of an unfinished character
 
     def step(self, token_id: int) -> str:
         self.token_ids.append(token_id)
+        if self.num_known is not None and token_id >= self.num_known:
+            return ""
         data = self._pending + self.tokenizer.decode_bytes([token_id], self.skip_special_tokens)
         cut = complete_prefix(data)
         self._pending = data[cut:]

@@ -106,7 +106,7 @@ class Fp8LinearMethod(WeightOnlyLinearMethod):
     def __init__(self, config: Fp8Config):
         self.config = config
 
-    def quantize(self, weight):
+    def quantize(self, weight, layer=None):
         if not self.config.emulate:
             check_fp8_gemm_device(weight.device)
             N, K = weight.shape

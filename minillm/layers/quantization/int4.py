@@ -57,7 +57,7 @@ class Int4LinearMethod(WeightOnlyLinearMethod):
                              f"{', '.join(fits) or 'none'}" + (" (int4 needs a multiple of 32)" if not fits else ""))
         super().create_weights(layer, input_size_per_partition, output_partition_sizes, params_dtype, weight_loader)
 
-    def quantize(self, weight):
+    def quantize(self, weight, layer=None):
         qweight, scales, mins = quantize_int4(weight, self.group_size)
         return {"qweight": qweight, "scales": scales, "mins": mins}
 

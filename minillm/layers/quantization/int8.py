@@ -9,6 +9,7 @@ Activations stay in the model's dtype; the embedding and the LM head are not qua
 
 from __future__ import annotations
 
+from ...distributed import get_tp_group
 from ...kernels.w4a16 import w8a16_gemm, w8a16_gemm_ref
 from .utils import quantize_int8
 from .weight_only import WeightOnlyConfig, WeightOnlyLinearMethod
@@ -24,8 +25,13 @@ class Int8Config(WeightOnlyConfig):
 class Int8LinearMethod(WeightOnlyLinearMethod):
     """qweight int8 [out, in], scales [out] (the model's dtype); y = x (q * s)^T + b."""
 
-    def quantize(self, weight):
-        q, scales = quantize_int8(weight)
+    def quantize(self, weight, layer=None):
+        amax = None
+        if getattr(layer, "input_is_parallel", False) and layer.tp_size > 1:
+            # chapter 11: a row-parallel rank holds a slice of every row; the scale comes from the whole
+            # row (the ranks' maxima, reduced), so each rank's int8 weights are TP = 1's, sliced
+            amax = get_tp_group().all_reduce_max(weight.float().abs().amax(dim=1))  # [out]
+        q, scales = quantize_int8(weight, amax=amax)
         return {"qweight": q, "scales": scales}
 
     def matmul(self, layer, x, triton):

@@ -26,10 +26,12 @@ from torch import nn
 from ...kernels.w4a16 import pack_int4
 
 
-def quantize_int8(w: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [N, K] -> (q int8 [N, K], scales [N] in `dtype`, default W's): symmetric, per output channel."""
+def quantize_int8(w: torch.Tensor, dtype: torch.dtype | None = None,
+                  amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (q int8 [N, K], scales [N] in `dtype`, default W's): symmetric, per output channel.
+    amax [N]: each row's largest |w| when W is only part of the rows (a tensor-parallel shard)."""
     wf = w.float()
-    scales = (wf.abs().amax(dim=1) / 127).to(dtype or w.dtype)  # [N]
+    scales = ((wf.abs().amax(dim=1) if amax is None else amax.float()) / 127).to(dtype or w.dtype)  # [N]
     s = scales.float().clamp_min(torch.finfo(torch.float32).tiny)  # an all-zero row: any scale, q = 0
     q = torch.round(wf / s[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scales

@@ -58,8 +58,9 @@ class WeightOnlyLinearMethod(LinearMethodBase):
         UnquantizedLinearMethod().create_weights(layer, input_size_per_partition, output_partition_sizes,
                                                  params_dtype, weight_loader)  # layer.weight [out, in]
 
-    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        """[out, in] full-precision weight -> the tensors the layer keeps, by parameter name."""
+    def quantize(self, weight: torch.Tensor, layer: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """[out, in] full-precision weight (this rank's shard) -> the tensors the layer keeps, by
+        parameter name. layer: the layer it belongs to (a row-parallel one holds part of each row)."""
         raise NotImplementedError
 
     def matmul(self, layer: nn.Module, x: torch.Tensor, triton: bool) -> torch.Tensor:
@@ -70,7 +71,7 @@ class WeightOnlyLinearMethod(LinearMethodBase):
         if "weight" not in layer._parameters:  # already quantized
             return
         with torch.no_grad():
-            tensors = self.quantize(layer.weight.data)
+            tensors = self.quantize(layer.weight.data, layer)
         del layer.weight  # the full-precision copy goes: only the quantized tensors stay
         for name, t in tensors.items():
             layer.register_parameter(name, nn.Parameter(t, requires_grad=False))
