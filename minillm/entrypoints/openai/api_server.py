@@ -299,7 +299,8 @@ def run_server(args) -> int:
     api_key = args.api_key or os.environ.get("MINILLM_API_KEY") or None
     model_name = args.served_model_name or args.model or embedded_model_path().stem
     EngineConfig(**engine_kwargs(args))  # a bad engine flag: exit 2 now, before the port opens
-    llm_args = dict(model=args.model, dtype=args.dtype, device=args.device, **engine_kwargs(args))
+    llm_args = dict(model=args.model, dtype=args.dtype, device=args.device,
+                    tensor_parallel_size=args.tensor_parallel_size, **engine_kwargs(args))
     make = partial(build_llm_engine, llm_args, getattr(args, "quantization", None))
     engine = AsyncLLMEngine(make, warm_up=False if args.no_warm_up else "auto", engine_core=args.engine_core)
     app = build_app(engine, model_name, api_key, args.max_request_bytes, args.max_prompts_per_request,

@@ -68,8 +68,6 @@ def _positive_ms(value: str) -> float:
 
 # (flag, EngineConfig field, type, help); the default is EngineConfig's
 ENGINE_FLAGS = [
-    ("--tensor-parallel-size", "tensor_parallel_size", positive_int,
-     "split the model over N GPUs, one worker process each (chapter 11)"),
     ("--block-size", "block_size", int, "tokens per KV block"),
     ("--num-gpu-blocks", "num_gpu_blocks", int, "KV blocks in the pool (default: what the memory allows)"),
     ("--gpu-memory-utilization", "gpu_memory_utilization", float, "share of the GPU's memory to fill"),
@@ -120,6 +118,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "server's process, sharing one GIL with the HTTP loop)")
     p.add_argument("--quantization", default=None, help="weights in fewer bits: int8, int4, awq, gptq "
                    "(NAME:key=value,... for options), or a folder written by `minillm quantize`")
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                   help="split the model over N GPUs (or N CPU processes), one worker process each (chapter 11)")
     g = p.add_argument_group("engine")
     for flag, field, kind, text in ENGINE_FLAGS:
         g.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS, help=text)
