@@ -38,7 +38,7 @@ if not torch.cuda.is_available():  # Triton's interpreter must be chosen before 
 import matplotlib.pyplot as plt
 import transformers
 
-from minillm import SamplingParams
+from minillm import LLM, SamplingParams
 from minillm import notebook as nb
 from minillm.bench.serving_setup import NoTextTokenizer
 from minillm.bench.table import print_table
@@ -419,8 +419,6 @@ print(f"prompt {prompt}\n  TP = 1 (LLMEngine):  {tp1}\n  TP = 2 (2 processes): {
 # processes (gloo), on any machine, and compare with the same prompts at size 1.
 
 # %%
-from minillm import LLM, SamplingParams
-
 tp_prompts = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
 tp_params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 t0 = time.perf_counter()
