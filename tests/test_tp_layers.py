@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minillm.config import MLAConfig, ModelConfig
 from minillm.distributed import (
     check_tensor_parallel_size,
     get_tensor_model_parallel_world_size,
@@ -29,7 +28,6 @@ from minillm.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from minillm.layers.mla import MultiHeadLatentAttention
 from minillm.layers.moe import FusedMoE
 from minillm.layers.quantization import GGUFConfig, get_quantization_config
 
@@ -213,13 +211,6 @@ def test_gguf_mla_and_moe_refuse_tp():
     _raises(2, lambda: FusedMoE(4, 16, 32), "FusedMoE", "tensor_parallel_size 1 only")
     with simulate_tensor_parallel(0, 1):
         FusedMoE(4, 16, 32)  # one rank builds
-
-
-def test_mla_refuses_tp():
-    config = ModelConfig("deepseek_v2", 64, 32, 16, 1, 4, 4, 24, 64,
-                         mla=MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8))
-    _raises(2, lambda: MultiHeadLatentAttention(config, prefix="model.layers.0.self_attn"), "MLA",
-            "model.layers.0.self_attn")
 
 
 def test_tensor_parallel_sizes_of_the_embedded_model_shape():

@@ -93,7 +93,11 @@ def _rank(rank: int, world_size: int, folder: str, prompts, out_dir: str) -> Non
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp_logits_and_greedy_tokens_equal_tp1(case, seed, tmp_path):
-    family, tp, changes = CASES[case]
+    check_tp_equals_tp1(case, *CASES[case], seed, tmp_path)
+
+
+def check_tp_equals_tp1(case: str, family: str, tp: int, changes: dict, seed: int, tmp_path) -> None:
+    """The tiny `family` checkpoint (with `changes`) at size tp, spawned, against size 1 in this process."""
     skip_without_devices(tp)
     folder = make_tiny(family, tmp_path / family, **changes)
     vocab = changes.get("vocab_size", VOCAB)

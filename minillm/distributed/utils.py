@@ -23,12 +23,13 @@ def divide(numerator: int, denominator: int, what: str | None = None) -> int:
 def tensor_parallel_sizes(config, upto: int = 16) -> list[int]:
     """The tensor-parallel sizes (up to `upto`) that split every layer of a Llama-family config:
     query heads and the FFN divide evenly, KV heads either divide or are replicated (tp a multiple of
-    them). Routed experts (config.moe) and latent attention (config.mla) are not split: only 1 then."""
-    if getattr(config, "moe", None) is not None or getattr(config, "mla", None) is not None:
+    them). Latent attention (config.mla) splits its query heads only: its latent KV belongs to no head
+    and is replicated. Routed experts (config.moe) are not split: only 1 then."""
+    if getattr(config, "moe", None) is not None:
         return [1]
-    kv = config.num_kv_heads
-    return [tp for tp in range(1, upto + 1)
-            if config.num_heads % tp == 0 and config.intermediate_size % tp == 0 and (kv % tp == 0 or tp % kv == 0)]
+    mla, kv = getattr(config, "mla", None) is not None, config.num_kv_heads
+    return [tp for tp in range(1, upto + 1) if config.num_heads % tp == 0 and config.intermediate_size % tp == 0
+            and (mla or kv % tp == 0 or tp % kv == 0)]
 
 
 def check_tensor_parallel_size(config, tp: int) -> None:
@@ -40,7 +41,7 @@ def check_tensor_parallel_size(config, tp: int) -> None:
         name = getattr(config, "name", "") or getattr(config, "architecture", "the model")
         raise ValueError(f"tensor_parallel_size {tp} does not split {name} ({config.num_heads} query heads, "
                          f"{config.num_kv_heads} KV heads, FFN {config.intermediate_size}"
-                         f"{', routed experts or latent attention' if sizes == [1] else ''}); sizes that do: "
+                         f"{', routed experts' if getattr(config, 'moe', None) is not None else ''}); sizes that do: "
                          f"{', '.join(map(str, sizes))}")
 
 

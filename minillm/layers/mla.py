@@ -27,6 +27,11 @@ RoPE on the R rotary dims: DeepSeek pairs coordinates (2i, 2i+1); we de-interlea
 (the same permutation for both leaves every q.k unchanged) and rotate them the Llama way. With YaRN
 scaling (V2/V3's 160k context) the frequencies are stretched, cos/sin carry an attention factor, and
 the softmax scale grows by mscale(factor, mscale_all_dim)^2 (Peng et al., 2023; DeepSeek's configs).
+
+Tensor parallelism (chapter 11) splits the heads: every rank computes the same latent and caches it
+whole, runs its H / tp heads through either path with its slices of q_b_proj and kv_b_proj (W_UK,
+W_UV), and o_proj's all-reduce sums the ranks' heads. The latent cache is therefore replicated: it
+costs every rank L + R numbers per token, and TP does not shrink it as it shrinks a Llama cache.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from torch import nn
 
 from ..cache.spec import KVCacheSpec
 from ..config import ModelConfig
-from ..distributed import get_tensor_model_parallel_world_size
+from ..distributed import divide, get_tensor_model_parallel_world_size
 from ..kernels import mla_decode as _kernel
 from .attention import AttentionMetadata
 from .backend import use_triton
@@ -103,6 +108,8 @@ class MLAAttention(nn.Module):
         self.kv_cache: tuple[torch.Tensor, None] | None = None
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+        # per rank: the latent belongs to no head, so under tensor parallelism each rank caches all of
+        # it (L + R per token, whatever the tp size), not 1 / tp of it as a Llama layer's KV heads
         return KVCacheSpec(1, self.kv_lora_rank + self.rope_dim, dtype, has_v=False)
 
     def forward(self, q: torch.Tensor, latent: torch.Tensor, m: AttentionMetadata) -> torch.Tensor:
@@ -142,35 +149,40 @@ class MultiHeadLatentAttention(nn.Module):
 
     def __init__(self, config: ModelConfig, quant_config=None, prefix: str = ""):
         super().__init__()
-        if (tp := get_tensor_model_parallel_world_size()) > 1:  # num_heads below is global, not per rank
-            raise ValueError(f"latent attention (MLA, {prefix or 'MultiHeadLatentAttention'}) runs at "
-                             f"tensor_parallel_size 1 only, not {tp} (its heads are not split across ranks yet)")
-        mla, H = config.mla, config.num_heads
-        self.num_heads, self.L, self.R = H, mla.kv_lora_rank, mla.qk_rope_head_dim
+        # tensor parallelism (chapter 11) splits the heads, as vLLM does: each rank runs H / tp of them.
+        # The latent [c, k_pe] belongs to no head, so every rank computes it (replicated q_a/kv_a and
+        # their norms) and caches all of it; the per-head up-projections are column-parallel, o_proj
+        # row-parallel (the layer's one all-reduce). The checkpoints stack q_b_proj / kv_b_proj rows head
+        # by head ([q_nope | q_pe] and [k_nope | v] blocks), so a rank's contiguous rows are whole heads
+        # once the heads divide, which is checked first (the features alone could split mid-head).
+        mla, total = config.mla, config.num_heads
+        tp, name = get_tensor_model_parallel_world_size(), prefix or "MultiHeadLatentAttention"
+        self.num_heads = H = divide(total, tp, f"the {total} query heads of {name} (latent attention)")
+        self.L, self.R = mla.kv_lora_rank, mla.qk_rope_head_dim
         self.P, self.V, self.interleave = mla.qk_nope_head_dim, mla.v_head_dim, mla.rope_interleave
         qk = self.P + self.R
         if mla.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(config.hidden_size, H * qk, quant_config=quant_config,
+            self.q_proj = ColumnParallelLinear(config.hidden_size, total * qk, quant_config=quant_config,
                                                prefix=f"{prefix}.q_proj")
         else:  # V2 (236B) and V3: q through a low-rank bottleneck too
             self.q_a_proj = ReplicatedLinear(config.hidden_size, mla.q_lora_rank, bias=config.qkv_bias,
                                              quant_config=quant_config, prefix=f"{prefix}.q_a_proj")
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, config.rms_norm_eps)
-            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, H * qk, quant_config=quant_config,
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, total * qk, quant_config=quant_config,
                                                  prefix=f"{prefix}.q_b_proj")
         self.kv_a_proj_with_mqa = ReplicatedLinear(config.hidden_size, self.L + self.R, bias=config.qkv_bias,
                                                    quant_config=quant_config, prefix=f"{prefix}.kv_a_proj_with_mqa")
         self.kv_a_layernorm = RMSNorm(self.L, config.rms_norm_eps)
-        # full precision: the absorbed path reads its weight as W_UK and W_UV
-        self.kv_b_proj = ColumnParallelLinear(self.L, H * (self.P + self.V), prefix=f"{prefix}.kv_b_proj")
-        self.o_proj = RowParallelLinear(H * self.V, config.hidden_size, bias=config.o_bias, quant_config=quant_config,
-                                        prefix=f"{prefix}.o_proj")
+        # full precision: the absorbed path reads its weight as W_UK and W_UV (this rank's heads' slices)
+        self.kv_b_proj = ColumnParallelLinear(self.L, total * (self.P + self.V), prefix=f"{prefix}.kv_b_proj")
+        self.o_proj = RowParallelLinear(total * self.V, config.hidden_size, bias=config.o_bias,
+                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.scale = mla_softmax_scale(config)
         self.attn = MLAAttention(H, self.L, self.R, self.scale)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata: AttentionMetadata,
                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        T, H = x.shape[0], self.num_heads
+        T, H = x.shape[0], self.num_heads  # H: this rank's heads
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_pe = q.view(T, H, self.P + self.R).split([self.P, self.R], dim=-1)  # [T, H, P], [T, H, R]
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.L, self.R], dim=-1)  # [T, L], [T, R]
@@ -183,7 +195,7 @@ class MultiHeadLatentAttention(nn.Module):
             out = self._absorbed(q_nope, q_pe, c, k_pe[:, 0], attn_metadata)
         else:
             out = self._naive(q_nope, q_pe, c, k_pe, positions, attn_metadata)
-        return self.o_proj(out.reshape(T, H * self.V))  # [T, H, V] -> [T, hidden]
+        return self.o_proj(out.reshape(T, H * self.V))  # [T, H, V] -> [T, hidden], summed over the ranks
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.num_heads, self.P + self.V, self.L)  # [H, P + V, L]
