@@ -198,7 +198,9 @@ class SparseMoeBlock(nn.Module):
 
     The shared experts are the model file's (an MLP whose down projection does not all-reduce): under
     tensor parallelism both the routed and the shared experts give partial sums, and the block
-    all-reduces their sum once. The router is replicated, so every rank picks the same experts."""
+    all-reduces their sum once. The router is replicated, so every rank picks the same experts.
+    `quant_config` reaches none of the block's own weights (router and routed experts stay unquantized);
+    the model file passes it to the shared experts it builds."""
 
     def __init__(self, config: ModelConfig, quant_config=None, prefix: str = "", ckpt_prefix: str = "experts",
                  ckpt_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
