@@ -17,9 +17,16 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import make_tiny
 
+from minillm import LLM
 from minillm.config import MLAConfig, ModelConfig, MoEConfig
-from minillm.distributed import check_tensor_parallel_size, simulate_tensor_parallel, tensor_parallel_sizes
+from minillm.distributed import (
+    check_tensor_parallel_size,
+    model_parallel_is_initialized,
+    simulate_tensor_parallel,
+    tensor_parallel_sizes,
+)
 from minillm.distributed.parallel_state import SimulatedGroup
 from minillm.layers.backend import kernel_mode
 from minillm.layers.moe import FusedMoE, SparseMoeBlock, expert_params_mapping, select_experts
@@ -221,3 +228,14 @@ def test_a_size_that_does_not_divide_the_experts_is_refused():
         check_tensor_parallel_size(config, 4)
     mla = config.with_(mla=MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8))
     assert tensor_parallel_sizes(mla) == [1]  # latent attention does not split (layers/mla.py)
+
+
+@pytest.mark.slow
+def test_llm_refuses_a_size_that_does_not_divide_the_experts(tmp_path):
+    """Through `LLM` (spawned workers): heads (4), KV heads (2) and the dense FFN (112) split at 2, the
+    experts' 33 do not; the error names them and the sizes that do, and the group is torn down."""
+    folder = make_tiny("qwen3_moe", tmp_path / "qwen3_moe", moe_intermediate_size=33)
+    with pytest.raises(ValueError, match="33 intermediate features of each routed expert of model.layers.0.mlp"
+                                         r".experts; sizes up to 16 that do: 1, 3, 11"):
+        LLM(str(folder), tensor_parallel_size=2, device="cpu", dtype="float32", num_gpu_blocks=8, block_size=4)
+    assert not model_parallel_is_initialized()
