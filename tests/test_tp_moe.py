@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tiny_models import make_tiny
 
 from minillm import LLM
-from minillm.config import MLAConfig, ModelConfig, MoEConfig
+from minillm.config import ModelConfig, MoEConfig
 from minillm.distributed import (
     check_tensor_parallel_size,
     model_parallel_is_initialized,
@@ -226,8 +226,6 @@ def test_a_size_that_does_not_divide_the_experts_is_refused():
     check_tensor_parallel_size(config, 2)
     with pytest.raises(ValueError, match="routed experts of intermediate size 6.*sizes that do: 1, 2$"):
         check_tensor_parallel_size(config, 4)
-    mla = config.with_(mla=MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8))
-    assert tensor_parallel_sizes(mla) == [1]  # latent attention does not split (layers/mla.py)
 
 
 @pytest.mark.slow
