@@ -208,9 +208,9 @@ def test_int4_group_must_divide_each_ranks_inputs():
 def test_gguf_mla_and_moe_refuse_tp():
     _raises(2, lambda: ColumnParallelLinear(64, 64, quant_config=GGUFConfig({"proj": "Q4_1"}), prefix="proj"),
             "gguf")
-    _raises(2, lambda: FusedMoE(4, 16, 32), "FusedMoE", "tensor_parallel_size 1 only")
-    with simulate_tensor_parallel(0, 1):
-        FusedMoE(4, 16, 32)  # one rank builds
+    # routed experts split at TP (tests/test_tp_moe.py); a size that does not divide them is refused
+    _raises(4, lambda: FusedMoE(4, 16, 6, prefix="mlp.experts"), "6 intermediate features", "mlp.experts",
+            "sizes up to 16 that do: 1, 2, 3, 6")
 
 
 def test_tensor_parallel_sizes_of_the_embedded_model_shape():

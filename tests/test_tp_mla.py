@@ -152,7 +152,7 @@ def test_tensor_parallel_sizes_of_latent_attention():
     with pytest.raises(ValueError, match="sizes that do: 1, 2, 3, 4, 6, 12"):
         check_tensor_parallel_size(config, 5)
     routed = config.with_(moe=MoEConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16))
-    assert tensor_parallel_sizes(routed) == [1]  # routed experts: layers/moe.py's to split
+    assert tensor_parallel_sizes(routed) == [1, 2, 4]  # routed experts: layers/moe.py's to split
     specs = {}
     for tp in (1, 4):
         with simulate_tensor_parallel(0, tp):

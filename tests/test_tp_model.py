@@ -10,7 +10,10 @@ next token and broadcasts it, as the sampling rank of an engine would.
 Tolerance: TP changes only where sums are split. The embedding's all-reduce adds zeros (exact);
 each of the 2 row-parallel layers per block sums tp partial sums of K <= 112 products, a reordering
 that moves a result by at most K * eps = 1.3e-5 of its magnitude; 2 blocks, 4 such sums, and the
-norms between them pass a relative error on without growing it much. So the logits agree to
+norms between them pass a relative error on without growing it much (a MoE block's routed experts
+split their sums over I <= 48 the same way, and its top-k and rank sums add k + tp terms; the
+router sees inputs within that error, so a choice flips only on a near-tie of two expert scores,
+which the greedy-token check's near-tie guard covers too). So the logits agree to
 1e-4 of their largest magnitude, an order of magnitude above that estimate and still far below the
 gap between a random model's top two logits on almost every step (the token test checks that gap)."""
 
@@ -28,6 +31,7 @@ from minillm.cache import KVCache
 from minillm.distributed import broadcast, get_tensor_model_parallel_world_size
 from minillm.generation import prepare_inputs
 from minillm.layers import AttentionMetadata
+from minillm.layers.moe import SparseMoeBlock
 from minillm.loader import load_model
 
 REL_TOL = 1e-4
@@ -38,6 +42,9 @@ CASES = {
     "llama3-tp2-overhang": ("llama3", 2, dict(vocab_size=VOCAB + 3)),  # biases, untied head, 2 KV heads
     "qwen2-tp2-replicated-kv": ("qwen2", 2, {}),  # 1 KV head on both ranks, tied head, q/k/v biases
     "qwen3-tp3": ("qwen3", 3, dict(num_key_value_heads=3, intermediate_size=96, vocab_size=VOCAB + 1)),  # QK norm
+    # routed experts: each rank holds I/tp of every expert, one all-reduce per MoE block (tests/test_tp_moe.py)
+    "mixtral-tp2": ("mixtral", 2, {}),  # 8 experts of 48, top-2, every layer MoE
+    "qwen3_moe-tp2": ("qwen3_moe", 2, dict(vocab_size=VOCAB + 1)),  # 8 experts of 32, top-3; layer 1 dense
 }
 
 
@@ -79,12 +86,34 @@ def run_model(model, prompts: list[list[int]], steps: int) -> dict:
     return {"logits": prefill.cpu(), "tokens": [s.token_ids[len(p):] for s, p in zip(seqs, prompts)], "margins": margins}
 
 
+def _router_gaps(model) -> list[float]:
+    """Hooks on each MoE block that record, per forward, the smallest gap between its router's k-th and
+    (k+1)-th expert logits over the tokens, relative to the largest logit: the router's input moves
+    under TP as the logits do, so a gap within the tolerance may rightly pick another expert (a near-tie,
+    as of two tokens) and change the layer's output by far more than the tolerance. (DeepSeek's grouped
+    routers choose by more than the plain top-k; for them the gap is a proxy.)"""
+    gaps = []
+
+    def hook(block, args):
+        logits = args[0].float() @ block.gate.weight.float().T  # [T, E]
+        top = logits.topk(block.moe.num_experts_per_tok + 1, dim=-1).values  # [T, k + 1]
+        gaps.append(((top[:, -2] - top[:, -1]) / logits.abs().max()).min().item())
+
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.register_forward_pre_hook(hook)
+    return gaps
+
+
 def _rank(rank: int, world_size: int, folder: str, prompts, out_dir: str) -> None:
     model, config, _ = load_model(folder, tokenizer=False, device=rank_device(rank))
     tp = get_tensor_model_parallel_world_size()
     layer = model.model.layers[0]
     # this rank holds its shard only
-    assert layer.mlp.down_proj.weight.shape[1] == config.intermediate_size // tp
+    if config.moe is not None and 0 not in config.moe.dense_layers:  # each expert's intermediate features
+        assert layer.mlp.experts.w2.weight.shape[1:] == (config.hidden_size, config.moe.moe_intermediate_size // tp)
+    else:
+        assert layer.mlp.down_proj.weight.shape[1] == config.intermediate_size // tp
     assert layer.self_attn.num_heads == config.num_heads // tp
     assert model.lm_head.weight.shape[0] == -(-config.vocab_size // tp)
     torch.save(run_model(model, prompts, STEPS), f"{out_dir}/rank{rank}.pt")
@@ -104,14 +133,18 @@ def check_tp_equals_tp1(case: str, family: str, tp: int, changes: dict, seed: in
     model, _, _ = load_model(folder, tokenizer=False, device=rank_device(0))
     # prompts whose tp = 1 run has no near-tie of its top two logits in the first half of the steps (a
     # near-tie may rightly go either way, and one at step 0 would leave the token check nothing to check):
-    # drawn from the seed, a few tries at most, so the oracle stays as strong whatever the seed
+    # drawn from the seed, a few tries at most, so the oracle stays as strong whatever the seed; for a
+    # MoE model also none of its routers' top-k choices (over every step) may be a near-tie
+    router_gaps = _router_gaps(model)
     for attempt in range(16):
         prompts = _prompts(seed * 16 + attempt, vocab)
+        router_gaps.clear()
         ref = run_model(model, prompts, STEPS)  # tp = 1, in this process
         tol = REL_TOL * ref["logits"].abs().max().item()
         ties = [i for i, m in enumerate(ref["margins"]) if m <= 2 * tol]
-        if not ties or ties[0] >= STEPS // 2:
+        if (not ties or ties[0] >= STEPS // 2) and min(router_gaps, default=1.0) > 2 * REL_TOL:
             break
+    assert min(router_gaps, default=1.0) > 2 * REL_TOL, f"{case}: a router near-tie on every try"
 
     run_ranks(_rank, tp, str(folder), prompts, str(tmp_path), timeout=300)
     got = torch.load(tmp_path / "rank0.pt")

@@ -21,15 +21,16 @@ def divide(numerator: int, denominator: int, what: str | None = None) -> int:
 
 
 def tensor_parallel_sizes(config, upto: int = 16) -> list[int]:
-    """The tensor-parallel sizes (up to `upto`) that split every layer of a Llama-family config:
-    query heads and the FFN divide evenly, KV heads either divide or are replicated (tp a multiple of
-    them). Latent attention (config.mla) splits its query heads only: its latent KV belongs to no head
-    and is replicated. Routed experts (config.moe) are not split: only 1 then."""
-    if getattr(config, "moe", None) is not None:
-        return [1]
-    mla, kv = getattr(config, "mla", None) is not None, config.num_kv_heads
-    return [tp for tp in range(1, upto + 1) if config.num_heads % tp == 0 and config.intermediate_size % tp == 0
-            and (mla or kv % tp == 0 or tp % kv == 0)]
+    """The tensor-parallel sizes (up to `upto`) that split every layer of a config: query heads and
+    the FFN divide evenly, KV heads either divide or are replicated (tp a multiple of them), routed
+    experts (config.moe) divide their intermediate size (each rank holds I/tp of every expert), and
+    latent attention (config.mla) splits its query heads only: its latent KV belongs to no head and is
+    replicated."""
+    moe, mla, kv = getattr(config, "moe", None), getattr(config, "mla", None) is not None, config.num_kv_heads
+    return [tp for tp in range(1, upto + 1)
+            if config.num_heads % tp == 0 and config.intermediate_size % tp == 0
+            and (mla or kv % tp == 0 or tp % kv == 0)
+            and (moe is None or moe.moe_intermediate_size % tp == 0)]
 
 
 def check_tensor_parallel_size(config, tp: int) -> None:
@@ -39,10 +40,12 @@ def check_tensor_parallel_size(config, tp: int) -> None:
     sizes = tensor_parallel_sizes(config, upto=max(16, tp))
     if tp not in sizes:
         name = getattr(config, "name", "") or getattr(config, "architecture", "the model")
+        moe = getattr(config, "moe", None)
+        experts = f", routed experts of intermediate size {moe.moe_intermediate_size}" if moe is not None else ""
+        mla = ", latent attention" if getattr(config, "mla", None) is not None else ""
         raise ValueError(f"tensor_parallel_size {tp} does not split {name} ({config.num_heads} query heads, "
-                         f"{config.num_kv_heads} KV heads, FFN {config.intermediate_size}"
-                         f"{', routed experts' if getattr(config, 'moe', None) is not None else ''}); sizes that do: "
-                         f"{', '.join(map(str, sizes))}")
+                         f"{config.num_kv_heads} KV heads, FFN {config.intermediate_size}{experts}{mla}); "
+                         f"sizes that do: {', '.join(map(str, sizes))}")
 
 
 def get_open_port() -> int:

@@ -16,6 +16,10 @@ FusedMoE holds all experts' weights stacked, w13 [E, 2I, H] (each expert's gate_
 its up_proj rows) and w2 [E, H, I], so one Triton launch reaches any expert (kernels/fused_moe.py).
 Checkpoints store one tensor per expert and projection; `expert_params_mapping` tells the generic
 loader (models/utils.py) where each goes, and a missing or extra expert tensor is an error there.
+
+Tensor parallelism (chapter 11) splits each expert's intermediate size, as a Llama MLP's: every rank
+holds all E experts at I/tp features (w13 [E, 2I/tp, H], w2 [E, H, I/tp]), routes identically (the
+router is replicated), and gives a partial sum; one all-reduce after routed + shared experts.
 """
 
 from __future__ import annotations
@@ -24,10 +28,15 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig, MoEConfig
-from ..distributed import get_tensor_model_parallel_world_size
+from ..distributed import (
+    divide,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
 from ..kernels import fused_moe as _kernel
 from .backend import use_triton
-from .linear import ReplicatedLinear, copy_checked
+from .linear import ReplicatedLinear, ShapeMismatch, copy_checked
 
 
 def fused_topk(scores: torch.Tensor, top_k: int, renormalize: bool):
@@ -90,45 +99,74 @@ class ExpertShard(tuple):
 
 
 class ExpertWeight(nn.Module):
-    """One stacked weight of all experts, [E, out, in], and the loader of its per-expert parts:
-    w13's w1 (gate) fills rows [0, I) of each expert's slice, w3 (up) rows [I, 2I); w2 the whole."""
+    """One stacked weight of all experts, this rank's slice [E, out, in], and the loader of its
+    per-expert parts. Under tensor parallelism each expert's intermediate size I splits across ranks
+    (vLLM's way): rank r holds rows [r I/tp, (r+1) I/tp) of each of w1 (gate) and w3 (up), stacked
+    as w13 [E, 2I/tp, H] (gate rows above up rows), and the same columns of w2 (down), [E, H, I/tp].
+    `split_dim` is the dimension of one expert's [out, in] that splits (0 for w13, 1 for w2), `parts`
+    the checkpoint tensors stacked along its output (2 for w13, 1 for w2)."""
 
-    def __init__(self, num_experts: int, out_features: int, in_features: int, shard_ids: tuple):
+    def __init__(self, num_experts: int, out_features: int, in_features: int, shard_ids: tuple, split_dim: int,
+                 parts: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self.shard_ids = shard_ids
+        self.shard_ids, self.split_dim, self.parts = shard_ids, split_dim, parts
+        self.tp_rank, self.tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+    def _rank_slice(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's 1/tp of t along dim."""
+        size = t.shape[dim] // self.tp_size
+        return t.narrow(dim, self.tp_rank * size, size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        E, out, inp = param.data.shape
+        whole = [out, inp]  # one expert's [out, in] before the split
+        whole[self.split_dim] *= self.tp_size
         if shard_id is None:  # a checkpoint that already stacks the experts (transformers 5 in memory)
-            return copy_checked(param.data, loaded_weight)
+            _check_shape(loaded_weight, (E, *whole))
+            parts = loaded_weight.chunk(self.parts, dim=1)  # [E, out / parts, in] each (gate, up)
+            return copy_checked(param.data, torch.cat([self._rank_slice(p, 1 + self.split_dim) for p in parts], 1))
         expert, which = shard_id
-        rows = param.data.shape[1] // 2
-        dst = {"w1": param.data[expert, :rows], "w3": param.data[expert, rows:], "w2": param.data[expert]}[which]
-        copy_checked(dst, loaded_weight)
+        _check_shape(loaded_weight, (whole[0] // self.parts, whole[1]))
+        dst = param.data[expert].chunk(self.parts, dim=0)[{"w1": 0, "w3": 1, "w2": 0}[which]]  # w3 (up): second
+        copy_checked(dst, self._rank_slice(loaded_weight, self.split_dim))
+
+
+def _check_shape(t: torch.Tensor, want: tuple) -> None:
+    """The whole checkpoint tensor's shape, before this rank takes its slice of it."""
+    if tuple(t.shape) != tuple(want):
+        raise ShapeMismatch(tuple(t.shape), tuple(want))
 
 
 class FusedMoE(nn.Module):
-    """All experts of one layer: (x [T, H], topk_weights, topk_ids [T, k]) -> [T, H]."""
+    """All experts of one layer: (x [T, H], topk_weights, topk_ids [T, k]) -> [T, H].
+
+    Under tensor parallelism every rank holds all experts, each cut to I/tp of its intermediate
+    features (ExpertWeight), and runs the same routing; its output is then a partial sum over its
+    intermediate features, and the ranks' outputs sum to the unsplit layer's. The caller (the MoE
+    block) all-reduces once, after adding the shared experts' partial sums."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ckpt_prefix: str = "experts",
-                 ckpt_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+                 ckpt_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), prefix: str = ""):
         super().__init__()
-        if (tp := get_tensor_model_parallel_world_size()) > 1:  # whole experts per rank, and no all-reduce
-            raise ValueError(f"routed experts (FusedMoE, {ckpt_prefix}) run at tensor_parallel_size 1 only, not {tp} "
-                             f"(their intermediate size is not split across ranks yet)")
+        self.tp_size = get_tensor_model_parallel_world_size()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        name = prefix or ckpt_prefix
+        I = divide(intermediate_size, self.tp_size, f"the {intermediate_size} intermediate features of each routed "
+                                                     f"expert of {name}")
+        self.intermediate_size_per_partition = I
 
         def shards(which: tuple[str, ...]):
             return tuple(ExpertShard(e, w, f"{ckpt_prefix}.{e}.{ckpt_names[('w1', 'w3', 'w2').index(w)]}")
                          for e in range(num_experts) for w in which)
 
-        self.w13 = ExpertWeight(num_experts, 2 * intermediate_size, hidden_size, shards(("w1", "w3")))
-        self.w2 = ExpertWeight(num_experts, hidden_size, intermediate_size, shards(("w2",)))
+        self.w13 = ExpertWeight(num_experts, 2 * I, hidden_size, shards(("w1", "w3")), split_dim=0, parts=2)
+        self.w2 = ExpertWeight(num_experts, hidden_size, I, shards(("w2",)), split_dim=1, parts=1)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         experts = _kernel.fused_experts if use_triton(x) else _kernel.fused_experts_ref
-        return experts(x, self.w13.weight, self.w2.weight, topk_weights, topk_ids)
+        return experts(x, self.w13.weight, self.w2.weight, topk_weights, topk_ids)  # [T, H], this rank's part
 
 
 def expert_params_mapping(num_experts: int, ckpt_prefix: str = "experts", param_prefix: str = "experts",
@@ -156,27 +194,34 @@ class MoEGate(ReplicatedLinear):
 
 
 class SparseMoeBlock(nn.Module):
-    """A MoE MLP: router, routed experts, and (DeepSeek) shared experts that every token runs."""
+    """A MoE MLP: router, routed experts, and (DeepSeek) shared experts that every token runs.
+
+    The shared experts are the model file's (an MLP whose down projection does not all-reduce): under
+    tensor parallelism both the routed and the shared experts give partial sums, and the block
+    all-reduces their sum once. The router is replicated, so every rank picks the same experts.
+    `quant_config` reaches none of the block's own weights (router and routed experts stay unquantized);
+    the model file passes it to the shared experts it builds."""
 
     def __init__(self, config: ModelConfig, quant_config=None, prefix: str = "", ckpt_prefix: str = "experts",
-                 ckpt_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+                 ckpt_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 shared_experts: nn.Module | None = None):
         super().__init__()
         moe = config.moe
         self.moe = moe
+        if bool(moe.num_shared_experts) != (shared_experts is not None):
+            raise ValueError(f"{prefix or 'SparseMoeBlock'}: config moe.num_shared_experts is "
+                             f"{moe.num_shared_experts} but shared_experts is "
+                             f"{'given' if shared_experts is not None else 'None'} (the model file builds them)")
+        self.tp_size = get_tensor_model_parallel_world_size()
         self.gate = MoEGate(config.hidden_size, moe.num_experts, moe.topk_method == "noaux_tc", f"{prefix}.gate")
         self.experts = FusedMoE(moe.num_experts, config.hidden_size, moe.moe_intermediate_size, ckpt_prefix,
-                                ckpt_names)
-        self.shared_experts = None
-        if moe.num_shared_experts:
-            from ..models.llama import LlamaMLP  # the ordinary gated MLP, num_shared_experts times as wide
-
-            shared = config.with_(intermediate_size=moe.moe_intermediate_size * moe.num_shared_experts)
-            self.shared_experts = LlamaMLP(shared, quant_config, f"{prefix}.shared_experts")
+                                ckpt_names, prefix=f"{prefix}.experts")
+        self.shared_experts = shared_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = nn.functional.linear(x.float(), self.gate.weight.float())  # [T, E], fp32 as HF's routers
         topk_weights, topk_ids = select_experts(logits, self.moe, self.gate.e_score_correction_bias)
-        out = self.experts(x, topk_weights, topk_ids)  # [T, H]
+        out = self.experts(x, topk_weights, topk_ids)  # [T, H]: a partial sum under TP
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+            out = out + self.shared_experts(x)  # [T, H]: a partial sum too (no all-reduce of its own)
+        return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out

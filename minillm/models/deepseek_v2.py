@@ -38,7 +38,19 @@ class DeepseekV2DecoderLayer(LlamaDecoderLayer):
         if config.moe is None or layer in config.moe.dense_layers:
             self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
         else:
-            self.mlp = SparseMoeBlock(config, quant_config, f"{prefix}.mlp")
+            self.mlp = SparseMoeBlock(config, quant_config, f"{prefix}.mlp",
+                                      shared_experts=make_shared_experts(config, quant_config, f"{prefix}.mlp"))
+
+
+def make_shared_experts(config: ModelConfig, quant_config, prefix: str) -> LlamaMLP | None:
+    """The experts every token runs: one gated MLP num_shared_experts times as wide. Column-parallel
+    up, row-parallel down without its own all-reduce: the MoE block sums it with the routed experts'
+    partial sums and all-reduces once."""
+    moe = config.moe
+    if not moe.num_shared_experts:
+        return None
+    shared = config.with_(intermediate_size=moe.moe_intermediate_size * moe.num_shared_experts)
+    return LlamaMLP(shared, quant_config, f"{prefix}.shared_experts", reduce_results=False)
 
 
 class DeepseekV2Model(LlamaModel):

@@ -79,13 +79,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, quant_config: QuantizationConfig | None = None, prefix: str = ""):
+    def __init__(self, config: ModelConfig, quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 reduce_results: bool = True):  # False: the caller all-reduces (MoE shared experts)
         super().__init__()
         I = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [I, I], bias=config.mlp_bias,
                                                        quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(I, config.hidden_size, bias=config.mlp_bias, quant_config=quant_config,
-                                           prefix=f"{prefix}.down_proj")
+        self.down_proj = RowParallelLinear(I, config.hidden_size, bias=config.mlp_bias, reduce_results=reduce_results,
+                                           quant_config=quant_config, prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
