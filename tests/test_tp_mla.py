@@ -152,7 +152,7 @@ def test_tensor_parallel_sizes_of_latent_attention():
     with pytest.raises(ValueError, match="sizes that do: 1, 2, 3, 4, 6, 12"):
         check_tensor_parallel_size(config, 5)
     routed = config.with_(moe=MoEConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16))
-    assert tensor_parallel_sizes(routed) == [1, 2, 4]  # routed experts: layers/moe.py's to split
+    assert tensor_parallel_sizes(routed) == [1, 2, 4]  # and each routed expert splits its 16 features
     specs = {}
     for tp in (1, 4):
         with simulate_tensor_parallel(0, tp):
@@ -160,15 +160,19 @@ def test_tensor_parallel_sizes_of_latent_attention():
     assert specs[1] == specs[4] and [(s.num_kv_heads, s.head_size, s.has_v) for s in specs[4]] == [(1, 40, False)]
 
 
-MODEL_CASES = {  # every layer dense: no routed experts (first_k_dense_replace = the 2 layers)
-    "deepseek_v2-tp2": ("deepseek_v2", 2, dict(first_k_dense_replace=2)),  # q_proj, YaRN, interleaved RoPE
-    "deepseek_v3-tp2": ("deepseek_v3", 2, dict(first_k_dense_replace=2)),  # q LoRA
+MODEL_CASES = {
+    # every layer dense (first_k_dense_replace = the 2 layers): latent attention alone
+    "deepseek_v2-dense-tp2": ("deepseek_v2", 2, dict(first_k_dense_replace=2)),  # q_proj, YaRN, interleaved RoPE
+    "deepseek_v3-dense-tp2": ("deepseek_v3", 2, dict(first_k_dense_replace=2)),  # q LoRA
+    # layer 1 routed + shared experts (tests/test_tp_moe.py): MLA and MoE sharded together
+    "deepseek_v2-tp2": ("deepseek_v2", 2, {}),  # group-limited softmax routing
+    "deepseek_v3-tp2": ("deepseek_v3", 2, {}),  # sigmoid routing with a correction bias
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(MODEL_CASES))
-def test_dense_deepseek_at_tp2_equals_tp1(case, seed, tmp_path):
+def test_deepseek_at_tp2_equals_tp1(case, seed, tmp_path):
     check_tp_equals_tp1(case, *MODEL_CASES[case], seed, tmp_path)
 
 
