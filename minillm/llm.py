@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from .engine import EngineConfig, LLMEngine
 from .executor import MultiprocExecutor, start_tensor_parallel
-from .executor.multiproc_executor import check_tp_engine, check_tp_size, stop_workers
+from .executor.multiproc_executor import check_tp_engine, check_tp_quantization, check_tp_size, stop_workers
 from .generation import generate_sequences
 from .inputs import check_length, prompt_ids
 from .layers.quantization.kv_cache import calibrate_kv_scales, calibration_prompts, kv_cache_torch_dtype
@@ -88,6 +88,7 @@ class LLM:
         procs = None
         if tp > 1:  # chapter 11: this process becomes rank 0; the other ranks load their shards meanwhile
             check_tp_engine(engine_config)
+            check_tp_quantization(quantization)
             procs = start_tensor_parallel(tp, "minillm.loader:load_model", dict(
                 source=model, dtype=self.dtype, load_format=load_format, quantization=quantization, tokenizer=False),
                 engine_config, self.device.type)

@@ -22,8 +22,10 @@ import torch
 from tiny_models import VOCAB, make_tiny
 
 from minillm import LLM, SamplingParams
+from minillm.cli import main as cli
 from minillm.distributed import model_parallel_is_initialized, run_ranks
 from minillm.loader import load_model
+from minillm.quantize import parse_quantization
 
 TIE = 1e-3
 ENGINE = dict(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=48, block_size=4,
@@ -163,10 +165,21 @@ def test_a_dead_worker_ends_in_a_clear_error_not_a_hang(tiny):
     (dict(tensor_parallel_size=2, kv_cache_dtype="int8"), "kv_cache_dtype"),
     (dict(tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
      "speculative decoding"),
+    (dict(tensor_parallel_size=2, quantization="awq"), "calibrates each whole layer"),
+    (dict(tensor_parallel_size=2, quantization={"method": "gptq", "group_size": 32}), "calibrates each whole layer"),
+    (dict(tensor_parallel_size=2, quantization="gguf"), "gguf|GGUF|one GPU"),
 ])
 def test_settings_tp_cannot_run_fail_before_any_process_starts(tiny, kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM(tiny, device="cpu", dtype="float32", **kwargs)
+    assert not model_parallel_is_initialized()
+
+
+def test_a_saved_quantized_folder_is_refused_at_tp2(tiny, tmp_path):
+    out = tmp_path / "int8"
+    assert cli(["quantize", "--model", str(tiny), "--method", "int8", "--out", str(out), "--device", "cpu"]) == 0
+    with pytest.raises(ValueError, match="holds whole packed tensors"):
+        LLM(tiny, device="cpu", dtype="float32", quantization=parse_quantization(str(out)), tensor_parallel_size=2)
     assert not model_parallel_is_initialized()
 
 

@@ -33,7 +33,7 @@ import torch
 from ..checks import check_int
 from ..engine import EngineConfig, LLMEngine
 from ..executor import MultiprocExecutor, start_tensor_parallel
-from ..executor.multiproc_executor import check_tp_engine, check_tp_size, stop_workers
+from ..executor.multiproc_executor import check_tp_engine, check_tp_quantization, check_tp_size, stop_workers
 from ..hw import default_device
 from ..sampling import SamplingParams
 from . import hf_peer
@@ -84,6 +84,7 @@ def _load(model, device: torch.device, quantization, engine_args: dict, tp: int,
     if hf:
         raise ValueError("the HF generate peer runs on one device: use --no-hf with --tensor-parallel-size > 1")
     check_tp_engine(config)
+    check_tp_quantization(quantization)
     procs = start_tensor_parallel(tp, "minillm.bench.serving_setup:load_models",
                                   dict(model=model, quantization=quantization), config, device.type)
     try:

@@ -40,6 +40,7 @@ from ..distributed import (
     init_distributed_environment,
     model_parallel_is_initialized,
 )
+from ..layers.quantization import get_quantization_config
 from ..worker.model_input import ModelInput
 from ..worker.worker import Worker
 from ..worker.worker_proc import serve_rank
@@ -70,6 +71,19 @@ def check_tp_engine(config) -> None:
     if config.kv_cache_dtype not in (None, "auto"):
         raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} with tensor_parallel_size > 1 is not "
                          f"supported: its scales are calibrated by forward passes on rank 0 alone")
+
+
+def check_tp_quantization(quantization) -> None:
+    """Weights quantized in a way that needs the whole layer: refused at tensor_parallel_size > 1."""
+    name = getattr(get_quantization_config(quantization), "name", None)
+    if name in ("awq", "gptq"):
+        raise ValueError(f"quantization={name!r} calibrates each whole layer on text as it loads; at "
+                         f"tensor_parallel_size > 1 a rank would calibrate only its shard (not supported): run "
+                         f"`minillm quantize --method {name}` once and load the folder at tensor_parallel_size 1")
+    if name == "quantized":
+        raise ValueError("a folder written by `minillm quantize` holds whole packed tensors, which are not sharded "
+                         "at load yet: load it at tensor_parallel_size 1 (or use quantization='int8' / 'int4', "
+                         "which quantize each rank's shard as it loads)")
 
 
 def start_tensor_parallel(world_size: int, model_fn: str, model_kwargs: dict, config, device_type: str,
