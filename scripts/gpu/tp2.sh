@@ -24,7 +24,8 @@ check() {
 
 tests() {
   MINILLM_TP_BACKEND=nccl timeout ${TESTS_S:-240} python3 -m pytest tests/test_distributed.py tests/test_tp_model.py \
-    tests/test_tp_layers.py tests/test_distributed_cost_model.py tests/test_tp_engine.py -k "not embedded" \
+    tests/test_tp_layers.py tests/test_distributed_cost_model.py tests/test_tp_engine.py tests/test_tp_moe.py \
+    tests/test_tp_mla.py -k "not embedded" \
     -q -p no:cacheprovider -rs --durations=10 2>&1 \
     | tail -40 | tee "$OUT/tp2-tests.log"
 }
