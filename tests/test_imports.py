@@ -1,6 +1,6 @@
 """No import cycles in minillm, and no function-level import that hides one (issue 27).
 
-Two checks:
+Three checks:
 
 1. Every module of minillm (and minillm.kernels) is imported on its own, first, in a process that has
    imported no minillm module before. A cycle between modules shows only in some import orders (the
@@ -11,7 +11,10 @@ Two checks:
    one fixed order, so the children skip it (the package object is made without running it): each
    module's own imports decide the order, as they would if it were imported first.
 
-2. The files where the quantization circle was cut (layers/, layers/quantization/, quantize.py,
+2. The module-level import graph of the whole package (read with `ast`: `from .x import y` is an edge
+   to module x.y when that is a module, else to x) has no cycle at all, whichever order would show it.
+
+3. The files where the quantization circle was cut (layers/, layers/quantization/, quantize.py,
    loader/) are scanned with `ast` for import statements inside functions or classes. One is allowed
    only with a comment on its line that starts with `# lazy:` and gives a reason that is not a cycle:
    an optional dependency (`# lazy: optional dependency gguf`) or a heavy module only one path needs.
@@ -113,6 +116,9 @@ print("RESULTS " + json.dumps(results))
 """
 
 
+# ---- 1: each module imported first --------------------------------------------------------------------
+
+
 def test_every_module_imports_first_in_a_fresh_process():
     names = module_names()
     assert "minillm.layers.quantization.gguf" in names and "minillm.kernels.w4a16" in names
@@ -139,7 +145,80 @@ def test_every_module_imports_first_in_a_fresh_process():
         f"--- {r['name']}\n{r['error']}" for r in broken)
 
 
-# ---- 2: no function-level import that dodges a cycle ---------------------------------------------------
+# ---- 2: the static import graph has no cycle ----------------------------------------------------------
+
+
+def module_files() -> dict[str, tuple[Path, bool]]:
+    """module name -> (file, is a package's __init__)."""
+    out = {}
+    for base, prefix in ((PACKAGE, "minillm"), (KERNELS, "minillm.kernels")):
+        for path in base.rglob("*.py"):
+            parts = path.relative_to(base).with_suffix("").parts
+            is_pkg = parts[-1] == "__init__"
+            out[".".join((prefix, *(parts[:-1] if is_pkg else parts)))] = (path, is_pkg)
+    return out
+
+
+def import_graph(modules: dict[str, tuple[Path, bool]]) -> dict[str, set[str]]:
+    """module -> the minillm modules its module-level statements import (functions' bodies excluded)."""
+    graph = {}
+    for name, (path, is_pkg) in modules.items():
+        here = name if is_pkg else name.rpartition(".")[0]
+        edges = graph[name] = set()
+        top = [n for stmt in ast.parse(path.read_text()).body
+               for n in (ast.walk(stmt) if isinstance(stmt, (ast.If, ast.Try)) else [stmt])]
+        for node in top:
+            if isinstance(node, ast.ImportFrom):
+                base = ".".join(here.split(".")[:len(here.split(".")) - node.level + 1]) if node.level else ""
+                base = ".".join(filter(None, (base, node.module)))
+                for alias in node.names:
+                    edges.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+            elif isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names)
+        edges &= set(modules)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (or one importing itself): Tarjan's."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1 or v in graph[v]:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_module_level_import_graph_has_no_cycle():
+    graph = import_graph(module_files())
+    assert "minillm.layers.quantization.base" in graph["minillm.layers.linear"]  # the graph sees relative imports
+    assert not cycles(graph), f"import cycles: {cycles(graph)}"
+
+
+def test_the_cycle_finder_bites():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+# ---- 3: no function-level import that dodges a cycle ---------------------------------------------------
 
 SCANNED = [*sorted((PACKAGE / "layers").glob("*.py")), *sorted((PACKAGE / "layers" / "quantization").glob("*.py")),
            PACKAGE / "quantize.py", *sorted((PACKAGE / "loader").glob("*.py"))]

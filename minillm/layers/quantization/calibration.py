@@ -219,6 +219,9 @@ class CalibratedConfig(WeightOnlyConfig):
             self.calibrating = False
 
 
+# ---- a saved result: a folder `minillm quantize` wrote (its format: saved.py) ----------------------
+
+
 class QuantizedCheckpointConfig(WeightOnlyConfig):
     """A folder written by `minillm quantize` (any method): the model loads its checkpoint in full
     precision, then takes the folder's tensors. `load_quantized(path)` makes one."""
