@@ -283,12 +283,12 @@ def smollm_quantized(corpus):  # noqa: F811
 
     from minillm.layers.quantization.awq import AWQConfig
     from minillm.layers.quantization.calibration import (
-        become_int4,
         block_linears,
         calibrate_blockwise,
         calibration_ids,
     )
     from minillm.layers.quantization.gptq import GPTQConfig
+    from minillm.layers.quantization.int4 import become_int4
     from minillm.loader import load_model
 
     base, config, tok = load_model(None)

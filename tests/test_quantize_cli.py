@@ -19,8 +19,10 @@ from tiny_models import VOCAB, make_tiny
 from minillm.cli import main
 from minillm.eval import perplexity
 from minillm.layers import AttentionMetadata
+from minillm.layers.quantization.calibration import load_quantized
+from minillm.layers.quantization.saved import save_quantized
 from minillm.loader import load_model
-from minillm.quantize import load_quantized, parse_quantization, quantize_model, save_quantized
+from minillm.quantize import parse_quantization, quantize_model
 
 CALIB = {"num_sequences": 4, "seq_len": 48}  # tiny: the point here is the file format, not the quality
 SPECS = {"awq": {"group_size": 32, "max_rows": 64, **CALIB}, "gptq": {"group_size": 32, **CALIB},

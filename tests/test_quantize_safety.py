@@ -12,10 +12,11 @@ import json
 import pytest
 from tiny_models import make_tiny
 
-import minillm.loader
+import minillm.quantize
 from minillm.cli import main
+from minillm.layers.quantization.calibration import load_quantized
 from minillm.loader import load_model
-from minillm.quantize import load_quantized, quantize_model
+from minillm.quantize import quantize_model
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def no_load(monkeypatch):
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded before --out was refused")
 
-    monkeypatch.setattr(minillm.loader, "load_model", load)
+    monkeypatch.setattr(minillm.quantize, "load_model", load)  # the name quantize_model calls
 
 
 def _quantize(capsys, *args) -> tuple[int, str]:
@@ -83,7 +84,7 @@ def test_a_failed_write_leaves_the_old_folder(tiny, tmp_path, monkeypatch):
     def save_file(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("safetensors.torch.save_file", save_file)
+    monkeypatch.setattr("minillm.layers.quantization.saved.save_file", save_file)  # the name save_quantized calls
     with pytest.raises(OSError, match="disk full"):
         quantize_model(tiny, "int8", {}, out, overwrite=True)
     with pytest.raises(OSError, match="disk full"):

@@ -20,7 +20,7 @@ from torch import nn
 from ..kernels import rms_norm as _kernel
 from ..kernels import skinny_gemm as _skinny
 from .backend import use_triton
-from .quantization import UnquantizedLinearMethod
+from .quantization.base import UnquantizedLinearMethod
 
 # Chapter 13's fused decode layer: RMSNorm inside the next projection's kernel for <= 8 tokens
 # (norm_linear below), on with MINILLM_SKINNY_GEMM=1 (or set_skinny_gemm(True)). Off by default until a

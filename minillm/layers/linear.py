@@ -30,7 +30,7 @@ from ..distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from .quantization import QuantizationConfig, UnquantizedLinearMethod
+from .quantization.base import QuantizationConfig, UnquantizedLinearMethod
 
 
 class ShapeMismatch(ValueError):

@@ -22,7 +22,7 @@ from ..distributed import (
     tensor_model_parallel_gather,
 )
 from .linear import copy_checked
-from .quantization import QuantizationConfig, UnquantizedEmbeddingMethod
+from .quantization.base import QuantizationConfig, UnquantizedEmbeddingMethod
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -21,10 +21,13 @@ import torch
 
 from ..config import ModelConfig, preset
 from ..layers import RotaryEmbedding
-from ..layers.quantization import GGUFConfig, get_quantization_config
+from ..layers.quantization import get_quantization_config
+from ..layers.quantization.gguf import GGUFConfig
 from ..model_files import resolve_source
 from ..models import get_model_class
 from ..models.utils import process_weights_after_loading
+from ..tokenizer import load_tokenizer
+from . import gguf_loader, hf_loader
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 
@@ -43,8 +46,6 @@ def load_model(source=None, *, dtype: torch.dtype = torch.float32, device: torch
         return _dummy(source, dtype, device, quant_config)
     path = resolve_source(source)
     if path.is_file() and path.suffix == ".gguf":
-        from . import gguf_loader
-
         config = gguf_loader.read_config(path, name=path.stem)
         mapping = getattr(get_model_class(config.architecture), "stacked_params_mapping", ())
         if isinstance(quant_config, GGUFConfig):  # now the tensor types are known: which layers stay packed
@@ -58,8 +59,6 @@ def load_model(source=None, *, dtype: torch.dtype = torch.float32, device: torch
         if isinstance(quant_config, GGUFConfig):
             raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks packed; {path} is not a .gguf file "
                              f"(use 'int8', 'int4' or another method for a Hugging Face checkpoint)")
-        from . import hf_loader
-
         config = hf_loader.read_config(path)
         hf_loader.check_against_weights(path, config)
         weights = hf_loader.iter_weights(path, dtype, device)
@@ -71,12 +70,8 @@ def load_model(source=None, *, dtype: torch.dtype = torch.float32, device: torch
         model.load_weights(weights)  # ends with each layer's process_weights_after_loading
     tok = None
     if tokenizer:
-        from ..tokenizer import load_tokenizer
-
         tok = load_tokenizer(path)
     if hasattr(quant_config, "process_model_after_loading"):  # AWQ/GPTQ: calibrate on text, now the weights are in
-        from ..tokenizer import load_tokenizer
-
         quant_config.process_model_after_loading(model.eval(), tok if tok is not None else load_tokenizer(path))
     return model.eval(), config, tok
 
@@ -180,9 +175,5 @@ def _device_memory(device: torch.device) -> int | None:
 
 def _config_of(path: Path) -> ModelConfig:
     if path.suffix == ".gguf":
-        from . import gguf_loader
-
         return gguf_loader.read_config(path, name=path.stem)
-    from . import hf_loader
-
     return hf_loader.read_config(path)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.w4a16 import pack_int4
+
 BLOCK = 32
 BYTES_PER_BLOCK = {"Q8_0": 34, "Q4_1": 20}
 
@@ -57,8 +59,6 @@ def repack_q4_1(raw: torch.Tensor, shape: tuple[int, int]) -> dict[str, torch.Te
     The 4-bit values and both fp16 numbers of each block are kept exactly; only the nibble order moves:
     GGUF pairs value j with j + 16 in a byte, kernels/w4a16.py pairs 2j with 2j + 1 (so a tile of K
     reads its bytes contiguously). Dequantizing either gives the same d * q + m, bit for bit."""
-    from ..kernels.w4a16 import pack_int4
-
     N, K = shape
     blocks = raw.reshape(N, K // BLOCK, BYTES_PER_BLOCK["Q4_1"])  # [N, K/32, 20]
     d, m = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])  # [N, K/32, 1] each

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from ..config import LIMITS, MLA_LIMITS, MOE_LIMITS, ModelConfig
 
@@ -64,8 +65,6 @@ def read_config(folder: Path) -> ModelConfig:
 
 def tensor_shapes(folder: Path) -> dict[str, tuple[tuple[int, ...], Path]]:
     """Every tensor's name -> (shape, its file), from the safetensors headers only (nothing is read)."""
-    from safetensors import SafetensorError, safe_open
-
     out = {}
     for path in weight_files(folder):
         try:
@@ -134,8 +133,6 @@ def weight_files(folder: Path) -> list[Path]:
 def iter_weights(folder: Path, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint once. A name found in two shard files is an error before any is
     read: which copy is the weight would depend on the order of the files."""
-    from safetensors import SafetensorError, safe_open
-
     files = weight_files(folder)
     where: dict[str, Path] = {}  # tensor name -> the shard that holds it (headers only)
     for path in files:

@@ -13,9 +13,20 @@ Choosing one (`LLM(quantization=...)`, `load_model(..., quantization=...)`):
     {"method": "int4", "group_size": 64}     a method with its options
     Int4Config(group_size=32)                a config object
     "gguf"                                   a .gguf file's Q4_1/Q8_0 blocks kept packed (gguf.py)
+
+The layers import only `base.py` (the interface and the unquantized methods). A method's file is
+imported the first time its name is asked for (`QUANTIZATION_METHODS[name]`, or a class name such
+as `Int8Config` from this package), as the model registry (models/registry.py) loads model files. So
+this package never imports the methods at import time, and a method file may import the layers it
+quantizes (`..linear`, `..attention`) at its top: the imports run one way, layers -> base, methods
+-> layers, with no circle.
 """
 
-from .awq import AWQConfig
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator, MutableMapping
+
 from .base import (
     LinearMethodBase,
     QuantizationConfig,
@@ -24,17 +35,70 @@ from .base import (
     UnquantizedLinearMethod,
     set_weight_attrs,
 )
-from .fp8 import Fp8Config
-from .gguf import GGUFConfig
-from .gptq import GPTQConfig
-from .int4 import Int4Config
-from .int8 import Int8Config
 
-QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {"int8": Int8Config, "int4": Int4Config}
-QUANTIZATION_METHODS["fp8"] = Fp8Config  # W8A8: fp8 weights and activations, torch._scaled_mm (fp8.py)
-QUANTIZATION_METHODS["gguf"] = GGUFConfig
-QUANTIZATION_METHODS["awq"] = AWQConfig  # calibrated on text at load (awq.py)
-QUANTIZATION_METHODS["gptq"] = GPTQConfig  # calibrated on text at load (gptq.py)
+# method name -> "module:Class" in this package (or a class, once registered or loaded)
+_METHODS: dict[str, str | type[QuantizationConfig]] = {
+    "int8": "int8:Int8Config",
+    "int4": "int4:Int4Config",
+    "fp8": "fp8:Fp8Config",  # W8A8: fp8 weights and activations, torch._scaled_mm (fp8.py)
+    "gguf": "gguf:GGUFConfig",
+    "awq": "awq:AWQConfig",  # calibrated on text at load (awq.py)
+    "gptq": "gptq:GPTQConfig",  # calibrated on text at load (gptq.py)
+}
+
+
+def _load(entry: str | type[QuantizationConfig]) -> type[QuantizationConfig]:
+    if isinstance(entry, type):
+        return entry
+    module, _, name = entry.partition(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+class _MethodRegistry(MutableMapping):
+    """The methods by name, a dict whose classes are imported on first lookup. Assigning
+    `QUANTIZATION_METHODS["mine"] = MyConfig` (or "module:Class" in this package) adds one."""
+
+    def __getitem__(self, name: str) -> type[QuantizationConfig]:
+        cls = _METHODS[name] = _load(_METHODS[name])
+        return cls
+
+    def __setitem__(self, name: str, cls) -> None:
+        if not (isinstance(cls, type) and issubclass(cls, QuantizationConfig)) and \
+                not (isinstance(cls, str) and cls.count(":") == 1):
+            raise TypeError(f"a quantization method is a QuantizationConfig subclass or 'module:Class', not {cls!r}")
+        _METHODS[name] = cls
+
+    def __contains__(self, name) -> bool:  # without importing the method's file
+        return name in _METHODS
+
+    def __delitem__(self, name: str) -> None:
+        del _METHODS[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_METHODS)
+
+    def __len__(self) -> int:
+        return len(_METHODS)
+
+    def __repr__(self) -> str:
+        return f"QUANTIZATION_METHODS({list(_METHODS)})"
+
+
+QUANTIZATION_METHODS = _MethodRegistry()
+
+# the config classes this package names, each imported from its method's file on first use (PEP 562)
+_CLASSES = {"Int8Config": "int8", "Int4Config": "int4", "Fp8Config": "fp8", "GGUFConfig": "gguf",
+            "AWQConfig": "awq", "GPTQConfig": "gptq"}
+
+
+def __getattr__(name: str):
+    if name in _CLASSES:
+        return QUANTIZATION_METHODS[_CLASSES[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_CLASSES))
 
 
 def get_quantization_config(spec) -> QuantizationConfig | None:
@@ -53,11 +117,11 @@ def get_quantization_config(spec) -> QuantizationConfig | None:
     else:
         raise TypeError(f"quantization must be None, a method name ({names}), a dict with a 'method' or a "
                         f"QuantizationConfig, not {type(spec).__name__}")
-    if name not in QUANTIZATION_METHODS:
+    if not isinstance(name, str) or name not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be None or one of {names}, not {name!r}")
     return QUANTIZATION_METHODS[name].from_options(**options)
 
 
-__all__ = ["QUANTIZATION_METHODS", "Fp8Config", "GGUFConfig", "Int4Config", "Int8Config", "LinearMethodBase", "QuantizationConfig",
-           "QuantizeMethodBase", "UnquantizedEmbeddingMethod", "UnquantizedLinearMethod", "get_quantization_config",
-           "set_weight_attrs"]
+__all__ = ["QUANTIZATION_METHODS", "AWQConfig", "Fp8Config", "GGUFConfig", "GPTQConfig", "Int4Config", "Int8Config",
+           "LinearMethodBase", "QuantizationConfig", "QuantizeMethodBase", "UnquantizedEmbeddingMethod",
+           "UnquantizedLinearMethod", "get_quantization_config", "set_weight_attrs"]

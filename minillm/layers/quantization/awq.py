@@ -33,10 +33,12 @@ import torch
 from ...kernels.w4a16 import dequantize_int4
 from .calibration import (
     CalibratedConfig,
+    block_linears,
     check_divides,
     group_range,
     quantize_with_range,
 )
+from .int4 import become_int4
 from .utils import quantize_int4
 
 ALPHAS = tuple(i / 20 for i in range(20))  # 0, 0.05, ..., 0.95
@@ -128,8 +130,6 @@ class AWQConfig(CalibratedConfig):
         super().__init__(group_size, num_sequences, seq_len, path)
 
     def quantize_block(self, block, inputs):
-        from .calibration import become_int4, block_linears
-
         layers = block_linears(block)
         for layer in layers.values():
             check_divides(self.name, layer, layer.weight.shape[1], self.group_size)
@@ -151,8 +151,6 @@ def fold_scales(block, scales: dict[str, torch.Tensor]) -> None:
     """Multiply each linear layer's input channels by its s [K] and divide what produces its input by
     the same s: the block computes the same function (in full precision), with the salient weights
     larger. scales: {"qkv_proj", "o_proj" (GQA-tied), "gate_up_proj", "down_proj"}."""
-    from .calibration import block_linears
-
     layers = block_linears(block)
     attn = block.self_attn
     qkv, gate_up, down = layers["qkv_proj"], layers["gate_up_proj"], layers["down_proj"]

@@ -26,8 +26,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ...data import load_corpus
 from ...kernels.w4a16 import pack_int4
+from ..attention import AttentionMetadata
 from .base import UnquantizedLinearMethod
+from .saved import load_quantized_tensors, read_config
 from .weight_only import WeightOnlyConfig
 
 # ---- the int4 grid: W ~ q * scale + min per group, q in 0..15 -----------------------------------
@@ -89,8 +92,6 @@ def calibration_ids(tokenizer, vocab_size: int, num_sequences: int, seq_len: int
     if tokenizer is None:
         g = torch.Generator().manual_seed(seed)
         return torch.randint(0, vocab_size, (num_sequences, seq_len), generator=g).tolist()
-    from ...data import load_corpus
-
     ids = tokenizer.encode(load_corpus().calibration_text())
     if len(ids) < num_sequences * seq_len:
         raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than num_sequences x seq_len = "
@@ -134,8 +135,6 @@ def calibrate_blockwise(model: nn.Module, seqs: list[list[int]], quantize_block,
     """Run the calibration sequences through the model one decoder layer at a time; before each layer
     moves the activations on, `quantize_block(block, inputs)` quantizes it from its layers' inputs
     ({name: x [T, K]}). num_blocks: only the first so many (the tests' cheap runs); None: all."""
-    from ..attention import AttentionMetadata
-
     layers = decoder_layers(model)
     inner = model.model
     device = next(model.parameters()).device
@@ -152,17 +151,6 @@ def calibrate_blockwise(model: nn.Module, seqs: list[list[int]], quantize_block,
             with torch.inference_mode(False), torch.no_grad():  # new parameters must not be inference tensors
                 quantize_block(block, {name: torch.cat(xs).clone() for name, xs in seen.items()})
             x, residual = block(positions, x, residual, meta, cos_sin)  # the quantized block feeds the next
-
-
-def become_int4(layer: nn.Module, tensors: dict[str, torch.Tensor], group_size: int) -> None:
-    """Turn a calibrated layer into an `int4` layer: its full-precision weight goes, the packed tensors
-    and the int4 method (the W4A16 kernel on a GPU) take its place."""
-    from .int4 import Int4LinearMethod
-
-    del layer.weight
-    for name, t in tensors.items():
-        layer.register_parameter(name, nn.Parameter(t, requires_grad=False))
-    layer.quant_method = Int4LinearMethod(group_size)
 
 
 # ---- the config and method AWQ and GPTQ share ---------------------------------------------------
@@ -219,8 +207,6 @@ class CalibratedConfig(WeightOnlyConfig):
     def process_model_after_loading(self, model: nn.Module, tokenizer) -> None:
         """After the checkpoint is in: load the saved result (path), or calibrate on the corpus."""
         if self.path is not None:
-            from ...quantize import load_quantized_tensors
-
             load_quantized_tensors(model, self.path, self)
             return
         decoder_layers(model)  # a clear error for a structure we cannot calibrate, before any work
@@ -231,3 +217,31 @@ class CalibratedConfig(WeightOnlyConfig):
             calibrate_blockwise(model, seqs, self.quantize_block, desc=f"{self.name} calibration ({n} x {L} tokens)")
         finally:
             self.calibrating = False
+
+
+# ---- a saved result: a folder `minillm quantize` wrote (its format: saved.py) ----------------------
+
+
+class QuantizedCheckpointConfig(WeightOnlyConfig):
+    """A folder written by `minillm quantize` (any method): the model loads its checkpoint in full
+    precision, then takes the folder's tensors. `load_quantized(path)` makes one."""
+
+    name = "quantized"
+    options = ("path",)
+
+    def __init__(self, path):
+        self.path = str(path)
+        self.saved = read_config(path)
+        self.group_size = self.saved["group_size"]
+        self.calibrating = False  # the layers never run before the saved tensors are in
+
+    def method(self):
+        return CalibratedLinearMethod(self)
+
+    def process_model_after_loading(self, model: nn.Module, tokenizer) -> None:
+        load_quantized_tensors(model, self.path)
+
+
+def load_quantized(path: str | os.PathLike) -> QuantizedCheckpointConfig:
+    """A folder written by `minillm quantize` -> the config `LLM(quantization=...)` loads it with."""
+    return QuantizedCheckpointConfig(path)

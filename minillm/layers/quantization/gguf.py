@@ -34,6 +34,8 @@ from ...kernels.w4a16 import (
     w8a16_gemm,
     w8a16_gemm_ref,
 )
+from ..linear import LinearBase
+from ..vocab_parallel_embedding import VocabParallelEmbedding
 from .base import QuantizationConfig, QuantizeMethodBase, set_weight_attrs
 from .weight_only import WeightOnlyLinearMethod, check_options
 
@@ -151,9 +153,6 @@ class GGUFConfig(QuantizationConfig):
         return self.packed_modules.get(self.module_of(tensor_name, mapping))
 
     def get_quant_method(self, layer, prefix):
-        from ..linear import LinearBase  # linear.py imports this package: import it late
-        from ..vocab_parallel_embedding import VocabParallelEmbedding
-
         if self.packed_modules is None:
             raise ValueError("quantization 'gguf' keeps a GGUF file's own blocks: it needs a .gguf model file")
         kind = self.packed_modules.get(prefix)

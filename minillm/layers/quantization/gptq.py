@@ -31,6 +31,7 @@ import torch
 
 from .calibration import (
     CalibratedConfig,
+    block_linears,
     check_divides,
     check_group_size,
     dequantize_grid,
@@ -38,6 +39,7 @@ from .calibration import (
     group_range,
     quantize_to_grid,
 )
+from .int4 import become_int4
 from .utils import pack_int4
 
 
@@ -128,8 +130,6 @@ class GPTQConfig(CalibratedConfig):
         super().__init__(group_size, num_sequences, seq_len, path)
 
     def quantize_block(self, block, inputs):
-        from .calibration import become_int4, block_linears
-
         for name, layer in block_linears(block).items():
             check_divides(self.name, layer, layer.weight.shape[1], self.group_size)
             tensors = gptq_quantize(layer.weight.data, hessian(inputs[name]), self.group_size, damp=self.damp,

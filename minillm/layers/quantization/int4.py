@@ -16,6 +16,9 @@ layer it does not divide is a ValueError naming the sizes that would.
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
 from ...kernels.w4a16 import w4a16_gemm, w4a16_gemm_ref
 from .utils import quantize_int4
 from .weight_only import WeightOnlyConfig, WeightOnlyLinearMethod
@@ -64,3 +67,13 @@ class Int4LinearMethod(WeightOnlyLinearMethod):
     def matmul(self, layer, x, triton):
         gemm = w4a16_gemm if triton else w4a16_gemm_ref
         return gemm(x, layer.qweight, layer.scales, layer.mins, self.group_size)
+
+
+def become_int4(layer: nn.Module, tensors: dict[str, torch.Tensor], group_size: int) -> None:
+    """Turn a layer that holds a full-precision weight into an `int4` layer (AWQ/GPTQ after calibrating,
+    a saved folder after loading): the weight goes, the packed tensors (qweight, scales, mins) and the
+    int4 method (the W4A16 kernel on a GPU) take its place."""
+    del layer.weight
+    for name, t in tensors.items():
+        layer.register_parameter(name, nn.Parameter(t, requires_grad=False))
+    layer.quant_method = Int4LinearMethod(group_size)

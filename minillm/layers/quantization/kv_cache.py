@@ -47,6 +47,7 @@ import torch
 from ...cache.spec import cache_layers
 from ...kernels.checks import KV_QUANT_DTYPES
 from ...kernels.quant_fp8 import FP8_E4M3_MAX, INT8_MAX
+from ..attention import AttentionMetadata
 
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 QMAX = {torch.float8_e4m3fn: FP8_E4M3_MAX, torch.int8: INT8_MAX}
@@ -122,8 +123,6 @@ def calibrate_kv_scales(model: torch.nn.Module, prompts: list[list[int]], dtype:
     KV head, and set the layers' k_scale [Hkv, D], v_scale [Hkv] for `dtype` (fp8 e4m3 or int8).
     per_channel_keys=False: every channel of a head gets the head's absmax (one key scale per head,
     for comparison). Returns {"k_absmax": [L, Hkv, D], "v_absmax": [L, Hkv]}."""
-    from ..attention import AttentionMetadata
-
     if dtype not in QMAX:
         raise ValueError(f"KV scales are for a float8_e4m3fn or int8 cache, not {dtype}")
     if not prompts or any(not p for p in prompts):

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ...kernels.w4a16 import pack_int4
+from ..linear import LinearBase
 
 
 def quantize_int8(w: torch.Tensor, dtype: torch.dtype | None = None,
@@ -63,8 +64,6 @@ def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
 def parameter_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes of the model's parameters: {"linear": the linear layers' (weights, scales, biases),
     "other": embeddings, norms, ... , "total"}. A tied tensor counts once."""
-    from ..linear import LinearBase
-
     linear = {id(p) for m in model.modules() if isinstance(m, LinearBase) for p in m.parameters()}
     out = {"linear": 0, "other": 0}
     for p in model.parameters():  # yields a shared tensor once

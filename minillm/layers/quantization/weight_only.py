@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..backend import use_triton
+from ..linear import LinearBase
 from .base import LinearMethodBase, QuantizationConfig, UnquantizedLinearMethod
 
 
@@ -44,8 +45,6 @@ class WeightOnlyConfig(QuantizationConfig):
         raise NotImplementedError
 
     def get_quant_method(self, layer, prefix):
-        from ..linear import LinearBase  # linear.py imports this package: import it late
-
         return self.method() if isinstance(layer, LinearBase) else None
 
     def __repr__(self) -> str:
