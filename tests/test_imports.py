@@ -222,9 +222,7 @@ def test_the_cycle_finder_bites():
 
 SCANNED = [*sorted((PACKAGE / "layers").glob("*.py")), *sorted((PACKAGE / "layers" / "quantization").glob("*.py")),
            PACKAGE / "quantize.py", *sorted((PACKAGE / "loader").glob("*.py"))]
-# Owned by the MoE/MLA work; TODO(issue 27): moe.py builds shared experts with models.llama.LlamaMLP from a
-# function (the issue moves that into the model file). mla.py has none today; listed with moe.py as theirs.
-KNOWN_EXCEPTIONS = {"minillm/layers/moe.py", "minillm/layers/mla.py"}
+KNOWN_EXCEPTIONS: set[str] = set()  # none left: moe.py's shared experts are built by the model files now
 MARKER = re.compile(r"#\s*lazy:\s*(?P<reason>.+)$")
 NOT_A_REASON = re.compile(r"cycle|circular|circle|late\b|imports this package|import order", re.I)
 
