@@ -175,12 +175,26 @@ def test_settings_tp_cannot_run_fail_before_any_process_starts(tiny, kwargs, mat
     assert not model_parallel_is_initialized()
 
 
-def test_a_saved_quantized_folder_is_refused_at_tp2(tiny, tmp_path):
-    out = tmp_path / "int8"
-    assert cli(["quantize", "--model", str(tiny), "--method", "int8", "--out", str(out), "--device", "cpu"]) == 0
-    with pytest.raises(ValueError, match="holds whole packed tensors"):
-        LLM(tiny, device="cpu", dtype="float32", quantization=parse_quantization(str(out)), tensor_parallel_size=2)
-    assert not model_parallel_is_initialized()
+@pytest.mark.parametrize("family, method, changes", [
+    ("llama3", "int8", dict(vocab_size=VOCAB + 3)),  # q/k/v and gate/up stacked, biases, 2 KV heads
+    ("qwen2", "int4", dict(intermediate_size=128)),  # 1 KV head, replicated on both ranks; groups of 32
+])
+def test_a_saved_quantized_folder_at_tp2_makes_the_tokens_of_tp1(family, method, changes, tmp_path):
+    """A folder `minillm quantize` wrote holds whole (TP = 1) packed tensors; each rank takes its part
+    as its layers' loaders cut a checkpoint (layers/quantization/saved.py rank_part), so the two
+    sizes run the same quantized weights."""
+    model = make_tiny(family, tmp_path / family, **changes)
+    out = tmp_path / method
+    flags = ["--group-size", "32"] if method == "int4" else []
+    assert cli(["quantize", "--model", str(model), "--method", method, *flags, "--out", str(out),
+                "--device", "cpu"]) == 0
+    prompts, steps = _prompts(random.randrange(1 << 30))[:4], 12
+    args = dict(device="cpu", dtype="float32", quantization=parse_quantization(str(out)))
+    with LLM(model, **args) as ref:
+        want = _greedy(ref, prompts, steps, logprobs=2)
+    with LLM(model, tensor_parallel_size=2, **args) as llm:
+        got = _greedy(llm, prompts, steps)
+    assert_tokens_until_ties(want, got, steps)
 
 
 def test_a_size_the_heads_do_not_divide_fails_clearly_and_stops_the_workers(tiny):

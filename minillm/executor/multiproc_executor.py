@@ -75,15 +75,13 @@ def check_tp_engine(config) -> None:
 
 def check_tp_quantization(quantization) -> None:
     """Weights quantized in a way that needs the whole layer: refused at tensor_parallel_size > 1."""
-    name = getattr(get_quantization_config(quantization), "name", None)
-    if name in ("awq", "gptq"):
+    config = get_quantization_config(quantization)
+    name = getattr(config, "name", None)
+    if name in ("awq", "gptq") and getattr(config, "path", None) is None:
         raise ValueError(f"quantization={name!r} calibrates each whole layer on text as it loads; at "
                          f"tensor_parallel_size > 1 a rank would calibrate only its shard (not supported): run "
-                         f"`minillm quantize --method {name}` once and load the folder at tensor_parallel_size 1")
-    if name == "quantized":
-        raise ValueError("a folder written by `minillm quantize` holds whole packed tensors, which are not sharded "
-                         "at load yet: load it at tensor_parallel_size 1 (or use quantization='int8' / 'int4', "
-                         "which quantize each rank's shard as it loads)")
+                         f"`minillm quantize --method {name}` once and load the folder it writes (every rank "
+                         f"takes its part of the saved tensors)")
 
 
 def start_tensor_parallel(world_size: int, model_fn: str, model_kwargs: dict, config, device_type: str,

@@ -36,7 +36,7 @@ from torch import nn
 
 from ...model_files import embedded_model_path
 from ..layernorm import RMSNorm
-from ..linear import LinearBase
+from ..linear import LinearBase, QKVParallelLinear, RowParallelLinear
 from .int4 import become_int4
 from .int8 import Int8LinearMethod
 
@@ -169,6 +169,27 @@ def read_config(path: str | Path) -> dict:
     return config
 
 
+def rank_part(layer: LinearBase, t: torch.Tensor) -> torch.Tensor:
+    """A saved (TP = 1) tensor of `layer` -> this rank's part, cut as the layer's weight_loader cuts a
+    checkpoint's (chapter 11): a row-parallel layer keeps its columns of a per-input tensor (qweight
+    [N, K/2], scales/mins [N, K/G]; an int8 scale [N] and the bias are whole rows, kept); a
+    column-parallel one keeps, in each stacked part (q/k/v, gate/up), its rows (whole heads: a KV head
+    replicated over ranks when there are fewer than ranks)."""
+    tp, rank = layer.tp_size, layer.tp_rank
+    if tp == 1:
+        return t
+    if isinstance(layer, RowParallelLinear):
+        if t.dim() == 1:
+            return t
+        k = t.shape[1] // tp
+        return t.narrow(1, rank * k, k)
+    parts, out = t.split(layer.output_sizes, dim=0), []  # the stacked parts at TP = 1
+    for i, (part, size) in enumerate(zip(parts, layer.output_partition_sizes)):
+        owner = rank // layer.num_kv_head_replicas if isinstance(layer, QKVParallelLinear) and i > 0 else rank
+        out.append(part.narrow(0, owner * size, size))
+    return torch.cat(out, dim=0)
+
+
 def load_quantized_tensors(model: nn.Module, path: str | Path, quant_config=None) -> None:
     """Replace the model's full-precision linear weights (and norms) by a saved folder's tensors."""
     config = read_config(path)
@@ -186,7 +207,7 @@ def load_quantized_tensors(model: nn.Module, path: str | Path, quant_config=None
     bits, G = config["bits"], config["group_size"]
     want = {}  # name -> (shape, dtype or None for "the model's float dtype")
     for name, layer in _linears(model).items():
-        N, K = layer.weight.shape
+        N, K = layer.output_size, layer.input_size  # the whole layer's: a folder is written at TP = 1
         if bits == 4:
             want |= {f"{name}.qweight": ((N, K // 2), torch.uint8), f"{name}.scales": ((N, K // G), None),
                      f"{name}.mins": ((N, K // G), None)}
@@ -209,10 +230,10 @@ def load_quantized_tensors(model: nn.Module, path: str | Path, quant_config=None
     with torch.no_grad():
         for name, layer in _linears(model).items():
             dtype = layer.weight.dtype
-            q = {k: tensors[f"{name}.{k}"] if k == "qweight" else tensors[f"{name}.{k}"].to(dtype)
+            q = {k: rank_part(layer, tensors[f"{name}.{k}"] if k == "qweight" else tensors[f"{name}.{k}"].to(dtype))
                  for k in (("qweight", "scales", "mins") if bits == 4 else ("qweight", "scales"))}
             if layer.bias is not None:
-                layer.bias.copy_(tensors[f"{name}.bias"])
+                layer.bias.copy_(rank_part(layer, tensors[f"{name}.bias"]))
             if bits == 4:
                 become_int4(layer, q, G)
             else:
