@@ -40,15 +40,21 @@ def scripted(seed: int, num_seqs: int, params: SamplingParams, with_q: bool):
     """Per position j: target logits (shared by every sequence), the target's filtered p_j, the draft's
     filtered q_j, and every sequence's drafts drawn from q_j (or one fixed token per position: n-gram)."""
     g = torch.Generator().manual_seed(seed)
-    target_logits = torch.randn(K + 1, V, generator=g)  # [K+1, V]
-    draft_logits = torch.randn(K, V, generator=g)  # [K, V]
 
     def filtered(logits):
         rows = logits.shape[0]
         meta = SamplingMetadata.build([params] * rows, [[]] * rows, [[]] * rows, [0] * rows, [[]] * rows, V, "cpu")
         return filtered_probs(logits, meta)
 
-    p, q = filtered(target_logits), filtered(draft_logits)
+    # a position whose filtered p keeps one token (top-p on a peaked row) has nothing to test: draw the
+    # target again until every position keeps at least two (a seed-independent amount of evidence)
+    for _ in range(1000):
+        target_logits = torch.randn(K + 1, V, generator=g)  # [K+1, V]
+        p = filtered(target_logits)
+        if bool(((p > 0).sum(dim=-1) >= 2).all()):
+            break
+    draft_logits = torch.randn(K, V, generator=g)  # [K, V]
+    q = filtered(draft_logits)
     if with_q:
         drafts = torch.stack([torch.multinomial(q[j], num_seqs, replacement=True, generator=g) for j in range(K)], 1)
     else:  # n-gram: a token without probabilities; pick the target's second most likely one
