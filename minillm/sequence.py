@@ -20,6 +20,7 @@ from .outputs import CompletionOutput, Logprob
 from .sampling import SamplingParams
 from .spec_decode.metrics import SpecDecodeMetrics
 from .tokenizer import IncrementalDetokenizer
+from .tokenizer.detokenizer import known_ids
 
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -158,9 +159,9 @@ def append_tokens(seqs: list[Sequence], out, tokenizer) -> None:
         return
     lps, ranks = out.logprobs.tolist(), out.ranks.tolist()
     tops = (out.top_ids.tolist(), out.top_logprobs.tolist()) if out.top_ids is not None else None
-    known = len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else None
+    known = known_ids(tokenizer)
 
-    def text(tid: int) -> str:  # an id past the tokenizer (a padded embedding) has no text (detokenizer.py)
+    def text(tid: int) -> str:  # an id past the tokenizer (a padded embedding) has no text
         return "" if known is not None and tid >= known else tokenizer.decode([tid])
 
     for row, (s, t) in enumerate(zip(seqs, ids)):

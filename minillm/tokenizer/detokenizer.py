@@ -49,16 +49,21 @@ def complete_prefix(data: bytes) -> int:
     return n
 
 
+def known_ids(tokenizer) -> int | None:
+    """How many ids the tokenizer has text for (None: a tokenizer that does not say). A model's
+    embedding may have more rows (vocabularies padded to a multiple of 64 or 128, e.g. Qwen2.5's
+    151,936 for 151,665 tokens); a sampled id past them adds no text, as HF tokenizers' decode skips
+    ids it has no token for."""
+    return len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else None
+
+
 class IncrementalDetokenizer:
     """Feed token ids one at a time with step(); each call returns the text that is now final."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        # a model's embedding may have more rows than its tokenizer has tokens (vocabularies padded to a
-        # multiple of 64 or 128, e.g. Qwen2.5's 151,936 for 151,665 tokens); a sampled id past the
-        # tokenizer's adds no text, as HF tokenizers' decode skips ids it has no token for
-        self.num_known = len(tokenizer.vocab) if hasattr(tokenizer, "vocab") else None
+        self.num_known = known_ids(tokenizer)  # ids past it (a padded embedding) add no text
         self.token_ids: list[int] = []
         self.text = ""  # everything emitted so far
         self._pending = b""  # bytes of an unfinished character
