@@ -22,10 +22,12 @@ check() {
   if [ "$NGPU" -lt 2 ]; then echo "only $NGPU GPU(s): tensor parallelism with NCCL needs 2" | tee -a "$OUT/tp2-check.log"; return 1; fi
 }
 
-tests() {
+tests() {  # the two-GPU engine tests first (CUDA graphs, NCCL), then the rest of chapter 11's tests
+  MINILLM_TP_BACKEND=nccl timeout ${GPU_TESTS_S:-200} python3 -m pytest tests/test_tp_engine.py -k "two_gpus" \
+    -q -p no:cacheprovider -rs --durations=5 2>&1 | tail -15 | tee "$OUT/tp2-tests-gpu.log"
   MINILLM_TP_BACKEND=nccl timeout ${TESTS_S:-240} python3 -m pytest tests/test_distributed.py tests/test_tp_model.py \
-    tests/test_tp_layers.py tests/test_distributed_cost_model.py tests/test_tp_engine.py tests/test_tp_moe.py \
-    tests/test_tp_mla.py -k "not embedded" \
+    tests/test_tp_layers.py tests/test_distributed_cost_model.py tests/test_tp_moe.py tests/test_tp_mla.py \
+    tests/test_tp_engine.py -k "not embedded and not two_gpus" \
     -q -p no:cacheprovider -rs --durations=10 2>&1 \
     | tail -40 | tee "$OUT/tp2-tests.log"
 }
