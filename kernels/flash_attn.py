@@ -321,6 +321,14 @@ _KERNELS = {name: triton.autotune(configs=_configs(tiles), key=_TUNE_KEY, cache_
             for name, tiles in (("tuned", TUNED_TILES), ("v0", V0_TILES))}
 
 
+def chosen_tiles(variant: str = "tuned") -> str:
+    """The tile the autotuner picked at the variant's last launch, "BLOCK_MxBLOCK_N wW sS" (for the benchmark)."""
+    config = getattr(_KERNELS[VARIANTS[variant][0]], "best_config", None)
+    if config is None:
+        return "-"
+    return f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']} w{config.num_warps} s{config.num_stages}"
+
+
 # ---- the kernel's entry point ------------------------------------------------------------------
 
 
