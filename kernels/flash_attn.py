@@ -49,11 +49,12 @@ as stored, cast to q's dtype (exact) and dequantized inside the kernel; as in fl
 head's K scale is folded into the softmax scale and its V scale into the output, since a program
 serves one head. No dequantized copy of the cache is ever written.
 
-Grid order. Grouped-query attention gives the `group` query heads of one KV head the same K and V.
-The grid is (query tiles x group, sequences x KV heads), the group's heads fastest: the programs that
-read the same K/V tiles run side by side, so the group's second to last reads hit L2. Tiles are
-issued longest first (the last queries of a causal prompt see the most keys), so the short ones
-fill in at the end of the launch.
+Grid order. The grid is one axis of (query tile, sequence, KV head, query head of its group), the
+last fastest. Grouped-query attention gives the `group` query heads of one KV head the same K and V:
+those programs run side by side, so the group's second to last reads of each tile hit L2. Query
+tiles go longest first across the whole launch (the last queries of a causal prompt see the most
+keys), so the short ones fill in at the end, whatever the heads; a short prompt's one or two waves
+finish together instead of one head's long tiles trailing.
 
 Tensor descriptors (TMA). With packed K/V on a Hopper GPU (and in the interpreter, so the CPU tests
 run this path) each tile is one bulk copy through a host-built descriptor over K seen as
@@ -211,7 +212,7 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, K, V, start, end, seqlen_k, k_start, 
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # one binary for any batch size (1 and 16k would be special)
 def _flash_attn_fwd(
     Q, K, V, Out, Lse,  # q [Tq, Hq, D]; K, V packed [Tk, Hkv, D] (or descriptors over it) or caches; Out [Tq, Hq, D]; Lse [Hq, Tq]
     cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,  # int32 [B+1]; [B+1] | None; [B], [B, n] | None
@@ -220,7 +221,7 @@ def _flash_attn_fwd(
     stride_k_blk, stride_k_tok, stride_k_head,  # packed: stride_k_blk unused
     stride_v_blk, stride_v_tok, stride_v_head,
     stride_o_tok, stride_o_head, stride_lse_head, stride_bt,
-    num_kv_heads, group, block_size, window, qk_scale,
+    num_seqs, num_kv_heads, group, block_size, window, qk_scale,
     seqlen_bucket,  # not used by the kernel: part of the autotuning key only
     HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     RETURN_LSE: tl.constexpr, IEEE: tl.constexpr, QUANT_KV: tl.constexpr, USE_TMA: tl.constexpr,
@@ -228,11 +229,13 @@ def _flash_attn_fwd(
 ):
     # Longest causal tiles (the last queries see the most keys) get the lowest program ids, so they
     # start first and the short ones fill in at the end of the launch.
-    if GQA_GRID:  # grid (query tiles x group, sequences x KV heads): a group's heads side by side
-        m_block = tl.num_programs(0) // group - 1 - tl.program_id(0) // group
-        b = tl.program_id(1) // num_kv_heads
-        kv_head = tl.program_id(1) % num_kv_heads
-        h = kv_head * group + tl.program_id(0) % group
+    if GQA_GRID:  # one axis: query tile (longest first), then sequence, KV head, and the group's heads
+        per_tile = num_seqs * num_kv_heads * group  # programs per query-tile index
+        m_block = tl.num_programs(0) // per_tile - 1 - tl.program_id(0) // per_tile
+        rest = tl.program_id(0) % per_tile
+        b = rest // (num_kv_heads * group)
+        kv_head = rest // group % num_kv_heads
+        h = kv_head * group + rest % group
     else:  # grid (query tiles, sequences x query heads): one head's tiles side by side
         m_block = tl.num_programs(0) - 1 - tl.program_id(0)
         b = tl.program_id(1) // (num_kv_heads * group)
@@ -382,14 +385,14 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, max_seqlen_q, *, cu_seqlens_k=None,
     use_tma = tma and not paged and _tma_ok(q, k) and _tma_ok(q, v)
     k_arg, v_arg = (_descriptor(k), _descriptor(v)) if use_tma else (k, v)
     if gqa_grid:
-        grid = lambda meta: (triton.cdiv(max_seqlen_q, meta["BLOCK_M"]) * group, B * Hkv)
+        grid = lambda meta: (triton.cdiv(max_seqlen_q, meta["BLOCK_M"]) * B * Hq,)
     else:
         grid = lambda meta: (triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), B * Hq)
     _KERNELS[tiles][grid](
         q, k_arg, v_arg, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, k_scale, v_scale,
         q.stride(0), q.stride(1), *k_strides, *v_strides, out.stride(0), out.stride(1), Tq,
         block_table.stride(0) if paged else 0,
-        Hkv, group, block_size, sliding_window or 0, scale * LOG2E,
+        B, Hkv, group, block_size, sliding_window or 0, scale * LOG2E,
         min(max(16, triton.next_power_of_2(max_seqlen_q)), 8192),  # tile sizes differ for short chunks
         HEAD_DIM=D, PAGED=paged, CAUSAL=bool(causal), HAS_WINDOW=sliding_window is not None,
         RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, QUANT_KV=k_scale is not None,
