@@ -421,3 +421,23 @@ def test_fp32_autotuning_keeps_only_the_smallest_tile():
     assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in kept] == [(64, 32)]
     for dtype in (torch.bfloat16, torch.float16):  # the fast dtypes keep every configuration
         assert prune_fp32(configs, {"Q": torch.zeros(2, dtype=dtype)}) == configs
+
+
+@pytest.mark.skipif(GPU, reason="the CPU smoke run of the benchmark (on a GPU the bench itself runs)")
+def test_bench_attention_prefill_rows(tmp_path, capsys):
+    """`minillm bench attention --only prefill --variants v0 --json`: every row has the kernel's time, the
+    peer's, their ratio and the ablation's speedup, and the JSON holds the same rows with a header."""
+    import json
+
+    from minillm.bench import attention
+
+    out = attention.run("cpu", only="prefill", prefill_lengths="16", variants="v0", json=str(tmp_path / "a.json"))
+    assert [r["seqs"] for r in out["prefill"]] == ["1x16", "4x4"] and not out["decode"]
+    for r in out["prefill"]:
+        assert r["ratio"] == pytest.approx(r["sdpa_ms"] / r["minillm_ms"])
+        assert r["speedup_vs_v0"] == pytest.approx(r["v0_ms"] / r["minillm_ms"])
+    saved = json.loads((tmp_path / "a.json").read_text())
+    assert saved["prefill"] == out["prefill"] and "triton" in saved["header"]
+    for bad in (dict(variants="fast"), dict(only="everything"), dict(prefill_lengths="10")):
+        with pytest.raises(ValueError):
+            attention.run("cpu", **bad)
