@@ -431,13 +431,14 @@ def test_bench_attention_prefill_rows(tmp_path, capsys):
 
     from minillm.bench import attention
 
-    out = attention.run("cpu", only="prefill", prefill_lengths="16", variants="v0", json=str(tmp_path / "a.json"))
-    assert [r["seqs"] for r in out["prefill"]] == ["1x16", "4x4"] and not out["decode"]
+    out = attention.run("cpu", only="prefill", prefill_lengths="16", variants="v0", json=str(tmp_path / "a.json"),
+                        paged=5)
+    assert [r["seqs"] for r in out["prefill"]] == ["1x16", "4x4", "1x16 paged5"] and not out["decode"]
     for r in out["prefill"]:
         assert r["ratio"] == pytest.approx(r["sdpa_ms"] / r["minillm_ms"])
-        assert r["speedup_vs_v0"] == pytest.approx(r["v0_ms"] / r["minillm_ms"])
+        assert "paged" in r["seqs"] or r["speedup_vs_v0"] == pytest.approx(r["v0_ms"] / r["minillm_ms"])
     saved = json.loads((tmp_path / "a.json").read_text())
     assert saved["prefill"] == out["prefill"] and "triton" in saved["header"]
-    for bad in (dict(variants="fast"), dict(only="everything"), dict(prefill_lengths="10")):
+    for bad in (dict(variants="fast"), dict(only="everything"), dict(prefill_lengths="10"), dict(paged=0)):
         with pytest.raises(ValueError):
             attention.run("cpu", **bad)

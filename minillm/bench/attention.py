@@ -108,19 +108,42 @@ def _reps(device) -> dict:
     return dict(cuda_graph=True) if device.type == "cuda" else dict(warmup=0, reps=1, inner=1)
 
 
-def _prefill_row(model, Hq, Hkv, D, B, L, device, dtype, ceil, variants=()) -> dict:
+def _paged_kv(k, v, B, L, block_size):
+    """K/V [B * L, Hkv, D] copied into a paged cache [num_blocks, block_size, Hkv, D], the blocks in
+    shuffled order, and the block table [B, blocks per sequence] that finds them (chapter 05's layout)."""
+    per_seq = -(-L // block_size)
+    order = torch.randperm(B * per_seq, device=k.device).to(torch.int32)  # physical block of each logical one
+    table = order.view(B, per_seq)
+    caches = []
+    for t in (k, v):
+        cache = torch.zeros(B * per_seq, block_size, *t.shape[1:], dtype=t.dtype, device=t.device)
+        padded = torch.zeros(B, per_seq * block_size, *t.shape[1:], dtype=t.dtype, device=t.device)
+        padded[:, :L] = t.view(B, L, *t.shape[1:])
+        cache[order.long()] = padded.view(B * per_seq, block_size, *t.shape[1:])
+        caches.append(cache)
+    return caches[0], caches[1], table
+
+
+def _prefill_row(model, Hq, Hkv, D, B, L, device, dtype, ceil, variants=(), block_size=None) -> dict:
     """B causal sequences of L tokens, packed into one [B * L] stream for minillm (q, k, v views of one
-    fused projection, as the model makes them)."""
+    fused projection, as the model makes them). block_size: K/V read from a paged cache instead, as
+    the engine's prefill does (its keys were written to the cache first)."""
     qkv = torch.randn(B * L, Hq + 2 * Hkv, D, device=device, dtype=dtype)  # [T, Hq + 2 Hkv, D]
     q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
     cu = torch.arange(0, B * L + 1, L, dtype=torch.int32, device=device)  # [B + 1]
+    if block_size is None:
+        k_in, v_in, kv_args = k, v, dict(cu_seqlens_k=cu)
+    else:
+        k_in, v_in, table = _paged_kv(k, v, B, L, block_size)
+        kv_args = dict(seqused_k=torch.full((B,), L, dtype=torch.int32, device=device), block_table=table)
     flops = causal_flops([L] * B, [L] * B, Hq, D)
     mine = {}
     for name in ("tuned", *variants):
-        run = lambda name=name: flash_attn_varlen(q, k, v, cu, L, cu_seqlens_k=cu, variant=name)
+        run = lambda name=name: flash_attn_varlen(q, k_in, v_in, cu, L, **kv_args, variant=name)
         mine[name] = time_it(run, device=device, **_reps(device))
     ours = mine["tuned"]
-    row = {"model": model, "seqs": f"{B}x{L}", "tokens": B * L, "minillm_ms": ours * 1e3,
+    seqs = f"{B}x{L}" + ("" if block_size is None else f" paged{block_size}")
+    row = {"model": model, "seqs": seqs, "tokens": B * L, "minillm_ms": ours * 1e3,
            "minillm_tflops": flops / ours / 1e12, "tiles": chosen_tiles("tuned")}
     # SDPA's favourite layout, [B, heads, L, D] contiguous; the conversion is not timed.
     qs, ks, vs = (t.reshape(B, L, -1, D).transpose(1, 2).contiguous() for t in (q, k, v))
@@ -226,7 +249,7 @@ def _materialize_row(model, Hq, Hkv, D, S, device, dtype) -> dict:
     return row
 
 
-def _bench(device, dtype, grid, ceil, progress, sections, variants) -> dict:
+def _bench(device, dtype, grid, ceil, progress, sections, variants, paged) -> dict:
     sms = sm_count(device)
     out = {name: [] for name in SECTIONS}
     if "prefill" in sections:
@@ -234,6 +257,8 @@ def _bench(device, dtype, grid, ceil, progress, sections, variants) -> dict:
             for S, B in itertools.product(grid["prefill"], (1, 4)):  # one sequence, and 4 of S / 4 tokens
                 out["prefill"].append(_prefill_row(model, Hq, Hkv, D, B, S // B, device, dtype, ceil, variants))
                 progress.update()
+            for S in grid["prefill"] if paged else []:  # the engine's path: K/V through a block table
+                out["prefill"].append(_prefill_row(model, Hq, Hkv, D, 1, S, device, dtype, ceil, (), paged))
     if "decode" in sections:
         for model, (Hq, Hkv, D) in grid["shapes"].items():
             for B, ctx in itertools.product(grid["decode_batch"], grid["decode_ctx"]):
@@ -281,17 +306,22 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--only", default=None, help=f"comma-separated sections to run, of {', '.join(SECTIONS)}")
     p.add_argument("--models", default=None, help="comma-separated model shapes (default: all of this device's)")
     p.add_argument("--prefill-lengths", default=None, help="comma-separated prefill lengths S (default: the grid's)")
+    p.add_argument("--paged", type=int, default=None, metavar="BLOCK_SIZE",
+                   help="also time one-sequence prefill reading K/V from a paged cache of this block size (the engine's 16)")
     p.add_argument("--variants", default=None,
                    help=f"prefill ablations timed beside the default kernel, of {', '.join(v for v in VARIANTS if v != 'tuned')}")
 
 
 def run(device=None, quick: bool = False, json: str | None = None, only: str | None = None,
-        models: str | None = None, prefill_lengths: str | None = None, variants: str | None = None) -> dict:
+        models: str | None = None, prefill_lengths: str | None = None, variants: str | None = None,
+        paged: int | None = None) -> dict:
     from tqdm.auto import tqdm
 
     sections = _names(only, SECTIONS, "only") or list(SECTIONS)
     ablations = _names(variants, [v for v in VARIANTS if v != "tuned"], "variants") or []
     lengths = _lengths(prefill_lengths)
+    if paged is not None and (isinstance(paged, bool) or not isinstance(paged, int) or paged < 1):
+        raise ValueError(f"paged must be a block size >= 1 (tokens per KV block), got {paged!r}")
     device = default_device() if device is None else torch.device(device)
     gpu = device.type == "cuda"
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
@@ -313,7 +343,7 @@ def run(device=None, quick: bool = False, json: str | None = None, only: str | N
     per_shape = 2 * len(grid["prefill"]) + len(grid["decode_batch"]) * len(grid["decode_ctx"])
     n_steps = len(grid["shapes"]) * per_shape + len(grid["splits"]) + len(grid["naive"])
     with tqdm(total=n_steps, desc="bench attention", disable=not gpu) as progress:
-        res = _bench(device, dtype, grid, ceil, progress, sections, ablations)
+        res = _bench(device, dtype, grid, ceil, progress, sections, ablations, paged)
     prefill, decode, splits, materialize = res["prefill"], res["decode"], res["splits"], res["materialize"]
     sdpa_cols = ["sdpa_flash_ms", "sdpa_cudnn_ms", "ratio_flash", "ratio_cudnn"] if gpu else ["sdpa_ms", "ratio"]
     tables = {  # section: (columns, title)

@@ -6,7 +6,8 @@
 #      cuDNN backends, each forced; ratios per row                      -> prefill-bench.log, attention.json
 #   3. the prefill kernel's tests natively (small shapes in every variant, real model shapes in bf16)
 #                                                                       -> prefill-tests.log
-#   4. the ablations, each change removed alone (no-tma, head-grid)      -> prefill-ablation.log, ablation.json
+#   4. the ablations, each change removed alone (no-tma, head-grid), and one sequence through a paged
+#      cache of 16-token blocks (the engine's prefill path: pointer loads)  -> prefill-ablation.log, ablation.json
 # Each part runs under `timeout`, so the script always ends with its archive: $OUT/prefill-results.tgz.
 # WHEELS: the wheel folder (default .gpu/wheels here, or ../../.gpu/wheels from .wt/<name>); COMMIT: the
 # commit the numbers belong to (the copied tree has no .git).
@@ -27,27 +28,28 @@ timeout 60 python3 -m pip install -q --no-deps --no-build-isolation --no-compile
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
   2>&1 | tee "$OUT/prefill-header.log"
 
-bench() {  # name, seconds, variants
-  timeout "$2" python3 -m minillm bench attention --only prefill --models Llama-3-8B --prefill-lengths "$LENGTHS" \
-    --variants "$3" --json "$OUT/$1.json" 2>&1 | grep -v "it/s\]" > "$OUT/prefill-$1.log"
-  echo "exit $? (124: timed out)" >> "$OUT/prefill-$1.log"
-  tail -16 "$OUT/prefill-$1.log"
+bench() {  # name, seconds, options
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m minillm bench attention --only prefill --models Llama-3-8B --prefill-lengths "$LENGTHS" \
+    "$@" --json "$OUT/$name.json" 2>&1 | grep -v "it/s\]" > "$OUT/prefill-$name.log"
+  echo "exit $? (124: timed out)" >> "$OUT/prefill-$name.log"
+  tail -18 "$OUT/prefill-$name.log"
 }
 
 stamp bench
-bench attention 95 v0
+bench attention 90 --variants v0
 mv "$OUT/prefill-attention.log" "$OUT/prefill-bench.log"
 
 stamp tests
 # xdist spreads the compiles over cores when the image has it
-workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4" || echo "")
-timeout 80 python3 -m pytest -q -p no:cacheprovider -rfEs --durations=6 $workers \
+workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
+timeout 75 python3 -m pytest -q -p no:cacheprovider -rfEs --durations=6 $workers \
   tests/test_kernels_attention.py tests/test_kv_quant.py -k "flash_attn or references" > "$OUT/prefill-tests.log" 2>&1
 echo "exit $? (124: timed out)" >> "$OUT/prefill-tests.log"
 tail -14 "$OUT/prefill-tests.log"
 
 stamp ablation
-bench ablation 50 no-tma,head-grid
+bench ablation 60 --variants no-tma,head-grid --paged 16
 
 stamp done
 # at most 8 files come back: everything in one archive (written outside the folder it reads)
