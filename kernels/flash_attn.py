@@ -144,32 +144,32 @@ def _kv_rows(offs_n, seqlen_k, k_start, bt_row, block_size, stride_k_blk, stride
 
 
 @triton.jit
-def _load_kv(K, V, start_n, seqlen_k, k_start, kv_col, bt_row, block_size, stride_k_blk, stride_k_tok,
-             stride_v_blk, stride_v_tok, MASK: tl.constexpr, PAGED: tl.constexpr, USE_TMA: tl.constexpr,
-             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The key tile at positions start_n + [0, BLOCK_N): K transposed [HEAD_DIM, BLOCK_N] and V
-    [BLOCK_N, HEAD_DIM]. With MASK, keys past seqlen_k read as zero (the caller masks their scores)."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    in_seq = offs_n < seqlen_k
-    if USE_TMA:  # one bulk copy each; rows past the sequence hold the next one's keys (or zeros)
-        k = K.load([k_start + start_n, kv_col]).T
-        v = V.load([k_start + start_n, kv_col])
-        if MASK:  # p = 0 there, but 0 * (whatever is stored) must stay 0: zero those rows
-            v = tl.where(in_seq[:, None], v, 0.0)
+def _load_tile(X, rows, row0, kv_col, in_seq, MASK: tl.constexpr, USE_TMA: tl.constexpr,
+               TRANSPOSED: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One K or V tile of BLOCK_N keys: [BLOCK_N, HEAD_DIM], or [HEAD_DIM, BLOCK_N] if TRANSPOSED (K,
+    for q k^T). Pointer loads use `rows` (int64 [BLOCK_N] row offsets, _kv_rows); a descriptor is read
+    at row row0, columns kv_col:kv_col + HEAD_DIM. With MASK, keys past the sequence (in_seq False)
+    read as zero: pointer loads never touch them, and a descriptor's rows there (the next sequence's,
+    or zeros past the tensor) are zeroed in V, since p = 0 times whatever is stored must stay 0."""
+    if USE_TMA:
+        x = X.load([row0, kv_col])  # [BLOCK_N, HEAD_DIM], one bulk copy
+        if TRANSPOSED:
+            x = x.T  # K's rows past the sequence only make scores that the caller masks to -inf
+        elif MASK:
+            x = tl.where(in_seq[:, None], x, 0.0)
     else:
         offs_d = tl.arange(0, HEAD_DIM)
-        k_rows, v_rows = _kv_rows(offs_n, seqlen_k, k_start, bt_row, block_size, stride_k_blk, stride_k_tok,
-                                  stride_v_blk, stride_v_tok, PAGED)
-        # K is loaded already transposed, [HEAD_DIM, BLOCK_N]: each column one key's contiguous row.
-        k_ptrs = K + k_rows[None, :] + offs_d[:, None]
-        v_ptrs = V + v_rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
-        if MASK:  # a boundary tile may run past the last key
-            k = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
+        if TRANSPOSED:  # each column one key's contiguous row
+            ptrs = X + rows[None, :] + offs_d[:, None]
+            mask = in_seq[None, :]
         else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-    return k, v
+            ptrs = X + rows[:, None] + offs_d[None, :]
+            mask = in_seq[:, None]
+        if MASK:  # a boundary tile may run past the last key
+            x = tl.load(ptrs, mask=mask, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
 
 
 @triton.jit
@@ -183,14 +183,20 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, K, V, start, end, seqlen_k, k_start, 
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions in the sequence
-        k, v = _load_kv(K, V, start_n, seqlen_k, k_start, kv_col, bt_row, block_size, stride_k_blk,
-                        stride_k_tok, stride_v_blk, stride_v_tok, MASK, PAGED, USE_TMA, BLOCK_N, HEAD_DIM)
-        if QUANT_KV:  # fp8/int8 -> q's dtype, exactly; the head's K scale is in qk_scale, V's at the end
+        in_seq = offs_n < seqlen_k
+        if USE_TMA:  # (row offsets unused by descriptors)
+            k_rows, v_rows = offs_n, offs_n
+        else:
+            k_rows, v_rows = _kv_rows(offs_n, seqlen_k, k_start, bt_row, block_size, stride_k_blk, stride_k_tok,
+                                      stride_v_blk, stride_v_tok, PAGED)
+        k = _load_tile(K, k_rows, k_start + start_n, kv_col, in_seq, MASK, USE_TMA, True, HEAD_DIM)
+        if QUANT_KV:  # fp8/int8 -> q's dtype, exactly; the head's scale is in qk_scale
             k = k.to(tl.float32).to(q.dtype)
-            v = v.to(tl.float32).to(q.dtype)
+        if USE_TMA:  # V's copy issued with K's (ptxas: 0 spills at 128x64, 8 B with V after the softmax)
+            v = _load_tile(V, v_rows, k_start + start_n, kv_col, in_seq, MASK, USE_TMA, False, HEAD_DIM)
         qk = dot(q, k, None, IEEE)  # [BLOCK_M, BLOCK_N] raw scores q.k, fp32
         if MASK:
-            visible = offs_n[None, :] < seqlen_k  # [1, BLOCK_N], broadcast to [BLOCK_M, BLOCK_N] below
+            visible = in_seq[None, :]  # [1, BLOCK_N], broadcast to [BLOCK_M, BLOCK_N] below
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= q_pos[:, None])
             if HAS_WINDOW:
@@ -205,6 +211,10 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, K, V, start, end, seqlen_k, k_start, 
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # finite: every score here is real
             m_sub = m_new
             p = tl.exp2(qk * qk_scale - m_sub[:, None])  # scale and shift in one multiply-add
+        if not USE_TMA:  # pointer loads: V's addresses only after the softmax (fewer registers live)
+            v = _load_tile(V, v_rows, k_start + start_n, kv_col, in_seq, MASK, USE_TMA, False, HEAD_DIM)
+        if QUANT_KV:  # the V scale multiplies the output once, at the end
+            v = v.to(tl.float32).to(q.dtype)
         alpha = tl.exp2(m_i - m_sub)  # [BLOCK_M] how much the old state shrinks (0 on the first tile)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)  # [BLOCK_M, HEAD_DIM]
