@@ -58,8 +58,8 @@ finish together instead of one head's long tiles trailing.
 
 Tensor descriptors (TMA). With packed K/V on a Hopper GPU (and in the interpreter, so the CPU tests
 run this path) each tile is one bulk copy through a host-built descriptor over K seen as
-[Tk, Hkv * D]: the copy engine computes the addresses, where pointer loads would hold a
-[BLOCK_N, HEAD_DIM] tensor of 64-bit addresses in registers (ptxas spills them at BLOCK_M = 128).
+[Tk, Hkv * D]: the copy engine computes the addresses and writes shared memory directly, where
+pointer loads have every thread compute its addresses and issue its own asynchronous copies.
 Rows past the sequence's end belong to the next sequence (or are zero past the tensor): the masked
 diagonal tile hides them. A block table scatters keys over 16-token blocks, smaller than a tile, so
 the cache path keeps pointer loads (Hopper's TMA cannot gather rows).
@@ -192,8 +192,6 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, K, V, start, end, seqlen_k, k_start, 
         k = _load_tile(K, k_rows, k_start + start_n, kv_col, in_seq, MASK, USE_TMA, True, HEAD_DIM)
         if QUANT_KV:  # fp8/int8 -> q's dtype, exactly; the head's scale is in qk_scale
             k = k.to(tl.float32).to(q.dtype)
-        if USE_TMA:  # V's copy issued with K's (ptxas: 0 spills at 128x64, 8 B with V after the softmax)
-            v = _load_tile(V, v_rows, k_start + start_n, kv_col, in_seq, MASK, USE_TMA, False, HEAD_DIM)
         qk = dot(q, k, None, IEEE)  # [BLOCK_M, BLOCK_N] raw scores q.k, fp32
         if MASK:
             visible = in_seq[None, :]  # [1, BLOCK_N], broadcast to [BLOCK_M, BLOCK_N] below
@@ -211,8 +209,7 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, K, V, start, end, seqlen_k, k_start, 
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # finite: every score here is real
             m_sub = m_new
             p = tl.exp2(qk * qk_scale - m_sub[:, None])  # scale and shift in one multiply-add
-        if not USE_TMA:  # pointer loads: V's addresses only after the softmax (fewer registers live)
-            v = _load_tile(V, v_rows, k_start + start_n, kv_col, in_seq, MASK, USE_TMA, False, HEAD_DIM)
+        v = _load_tile(V, v_rows, k_start + start_n, kv_col, in_seq, MASK, USE_TMA, False, HEAD_DIM)
         if QUANT_KV:  # the V scale multiplies the output once, at the end
             v = v.to(tl.float32).to(q.dtype)
         alpha = tl.exp2(m_i - m_sub)  # [BLOCK_M] how much the old state shrinks (0 on the first tile)

@@ -41,7 +41,14 @@ def compile_tile(path: str, grid: str, D: int, dtype: str, tile: tuple[int, int,
                   IEEE=dtype == "fp32", QUANT_KV=False, USE_TMA=path == "tma", GQA_GRID=grid == "gqa",
                   BLOCK_M=block_m, BLOCK_N=block_n)
     sig |= dict.fromkeys(consts, "constexpr")
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    # What Triton's launcher specialises on at run time: pointers 16-byte aligned, and the strides the
+    # model's shapes make multiples of 16 (without this the compiler cannot vectorise or pipeline loads).
+    aligned = [n for n, t in sig.items() if t.startswith("*")] + [
+        "stride_q_tok", "stride_q_head", "stride_k_blk", "stride_k_tok", "stride_k_head", "stride_v_blk",
+        "stride_v_tok", "stride_v_head", "stride_o_tok", "stride_o_head"]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     ptx = kernel.asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -55,7 +62,8 @@ def compile_tile(path: str, grid: str, D: int, dtype: str, tile: tuple[int, int,
     spills = re.search(r"(\d+) bytes spill stores", report)
     return {"tile": f"{block_m}x{block_n} w{warps} s{stages}", "registers": int(regs[1]) if regs else None,
             "spill_bytes": int(spills[1]) if spills else None, "shared_bytes": kernel.metadata.shared,
-            "wgmma": "wgmma" in ptx, "tma": "cp.async.bulk.tensor" in ptx}
+            "wgmma": "wgmma" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
+            "async_copies": kernel.asm["ttgir"].count("async_copy_global_to_local")}
 
 
 def main() -> None:
