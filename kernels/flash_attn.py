@@ -38,8 +38,8 @@ straddle a boundary pay for a mask; the full tiles in the middle, nearly all of 
 prompt, run a loop with no mask at all (the two-stage structure of Triton's fused-attention tutorial).
 
 Batches without padding. Sequences are packed into one [T, H, D] stream (cu_seqlens_q marks where
-each starts); the grid is (query tiles of the longest sequence, sequences x heads) and a program
-whose tile lies past its sequence's end returns at once. K and V come either packed the same way
+each starts); the grid covers the query tiles of the longest sequence for every sequence and head
+(in the order below), and a program whose tile lies past its sequence's end returns at once. K and V come either packed the same way
 (cu_seqlens_k) or from a KV cache [num_blocks, block_size, Hkv, D] through a block table: key j of
 sequence b is row j % block_size of block block_table[b, j // block_size], looked up per key inside
 the kernel. Grouped-query attention costs nothing extra: query head h reads KV head h // (Hq // Hkv).
