@@ -16,7 +16,7 @@ OUT=${OUT:-/tmp/prefill-out}; mkdir -p "$OUT"
 SITE=${SITE:-/tmp/site}
 WHEELS=${WHEELS:-$( [ -d .gpu/wheels ] && echo .gpu/wheels || echo ../../.gpu/wheels )}
 export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 MINILLM_COMMIT=${COMMIT:-unknown}
-LENGTHS=${LENGTHS:-512,1024,2048,4096,8192}
+LENGTHS=${LENGTHS:-512,1024,2048,4096,8192} MODELS=${MODELS:-Llama-3-8B}
 start=$(date +%s)
 stamp() { echo "=== $1 at +$(( $(date +%s) - start )) s"; }
 
@@ -30,9 +30,9 @@ timeout 60 python3 -m pip install -q --no-deps --no-build-isolation --no-compile
 
 bench() {  # name, seconds, options
   local name=$1 limit=$2; shift 2
-  timeout "$limit" python3 -m minillm bench attention --only prefill --models Llama-3-8B --prefill-lengths "$LENGTHS" \
+  timeout "$limit" python3 -m minillm bench attention --only prefill --models "$MODELS" --prefill-lengths "$LENGTHS" \
     "$@" --json "$OUT/$name.json" 2>&1 | grep -v "it/s\]" > "$OUT/prefill-$name.log"
-  echo "exit $? (124: timed out)" >> "$OUT/prefill-$name.log"
+  echo "exit $? (124 = timed out)" >> "$OUT/prefill-$name.log"
   tail -18 "$OUT/prefill-$name.log"
 }
 
@@ -45,7 +45,7 @@ stamp tests
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
 timeout 75 python3 -m pytest -q -p no:cacheprovider -rfEs --durations=6 $workers \
   tests/test_kernels_attention.py tests/test_kv_quant.py -k "flash_attn or references" > "$OUT/prefill-tests.log" 2>&1
-echo "exit $? (124: timed out)" >> "$OUT/prefill-tests.log"
+echo "exit $? (124 = timed out)" >> "$OUT/prefill-tests.log"
 tail -14 "$OUT/prefill-tests.log"
 
 stamp ablation
