@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minillm.kernels.flash_attn import flash_attn_varlen, flash_attn_varlen_ref
+from minillm.kernels.flash_attn import VARIANTS, _tma_ok, flash_attn_varlen, flash_attn_varlen_ref
 from minillm.kernels.flash_decode import (
     MAX_SPLITS,
     SPLIT_GRAIN,
@@ -69,18 +69,20 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype) -> None:
 
 
 def check_prefill(gen, Hq, Hkv, D, q_lens, k_lens, *, causal=True, window=None, dtype=torch.float32,
-                  block_size=None, max_seqlen_q=None):
-    """Kernel vs reference, output and lse; packed K/V, or a cache when block_size is given."""
+                  block_size=None, max_seqlen_q=None, variant="tuned", kv_pad=0):
+    """Kernel vs reference, output and lse; packed K/V, or a cache when block_size is given.
+    kv_pad > 0: packed K/V rows padded by kv_pad numbers per head (no descriptor fits them)."""
     q, k, v = qkv_views(gen, sum(q_lens), Hq, Hkv, D, dtype)
     if block_size is None:
-        _, k, v = qkv_views(gen, sum(k_lens), Hq, Hkv, D, dtype)
+        _, k, v = qkv_views(gen, sum(k_lens), Hq, Hkv, D + kv_pad, dtype)
+        k, v = k[..., :D], v[..., :D]  # [Tk, Hkv, D] views; head stride D + kv_pad
         kv_args = dict(cu_seqlens_k=cu_seqlens(k_lens))
     else:
         k, v, table = make_cache(gen, k_lens, Hkv, D, dtype, block_size)
         kv_args = dict(seqused_k=torch.tensor(k_lens, dtype=torch.int32, device=DEVICE), block_table=table)
     args = (q, k, v, cu_seqlens(q_lens), max_seqlen_q or max(q_lens))
     kw = dict(causal=causal, sliding_window=window, return_lse=True, **kv_args)
-    out, lse = flash_attn_varlen(*args, **kw)
+    out, lse = flash_attn_varlen(*args, **kw, variant=variant)
     want_out, want_lse = flash_attn_varlen_ref(*args, **kw)
     assert_close(out, want_out, dtype)
     assert_close(lse, want_lse, torch.float32 if dtype == torch.float32 else torch.float16)
@@ -194,6 +196,31 @@ def test_flash_attn_random_case(seed):
     window = rng.choice([None, None, 1, rng.randint(2, 40)])
     check_prefill(gen, Hq, Hkv, 64, q_lens, k_lens, causal=causal, window=window, block_size=block_size,
                   max_seqlen_q=max(q_lens) + rng.choice([0, 17]))
+
+
+@pytest.mark.parametrize("group,variant", [(1, "tuned"), (4, "tuned"), (8, "tuned"),
+                                           *((4, v) for v in sorted(VARIANTS) if v != "tuned")])
+def test_flash_attn_variants_and_gqa_groups(seed, group, variant):
+    """Every variant (descriptor or pointer loads, GQA-grouped or head-major grid, tile list) at GQA
+    groups 1, 4 and 8: odd lengths, one sequence with a cached prefix, causal. In the interpreter
+    (and on Hopper) the packed K/V here go through tensor descriptors unless the variant says not."""
+    check_prefill(torch.Generator().manual_seed(seed), 2 * group, 2, 64, [37, 1, 19], [37, 6, 50],
+                  variant=variant)
+
+
+def test_flash_attn_descriptor_fallback(seed):
+    """K/V whose heads are not adjacent in a row (a padded buffer) cannot be one descriptor: the
+    kernel takes pointer loads for them and still matches the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    _, k, _ = qkv_views(gen, 9, 4, 2, 64, torch.float32)
+    assert _tma_ok(k, k) == (DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9)
+    assert not _tma_ok(k, k[..., :32])  # head stride 64 != head_dim 32
+    check_prefill(gen, 8, 2, 32, [21, 3], [21, 40], kv_pad=32, window=9)
+
+
+def test_flash_attn_rejects_unknown_variant():
+    with pytest.raises(ValueError, match="variant must be one of"):
+        flash_attn_varlen(**_varlen_args(), variant="fast")
 
 
 # ---- FlashDecoding ------------------------------------------------------------------------------
@@ -394,3 +421,24 @@ def test_fp32_autotuning_keeps_only_the_smallest_tile():
     assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in kept] == [(64, 32)]
     for dtype in (torch.bfloat16, torch.float16):  # the fast dtypes keep every configuration
         assert prune_fp32(configs, {"Q": torch.zeros(2, dtype=dtype)}) == configs
+
+
+@pytest.mark.skipif(GPU, reason="the CPU smoke run of the benchmark (on a GPU the bench itself runs)")
+def test_bench_attention_prefill_rows(tmp_path, capsys):
+    """`minillm bench attention --only prefill --variants v0 --json`: every row has the kernel's time, the
+    peer's, their ratio and the ablation's speedup, and the JSON holds the same rows with a header."""
+    import json
+
+    from minillm.bench import attention
+
+    out = attention.run("cpu", only="prefill", prefill_lengths="16", variants="v0", json=str(tmp_path / "a.json"),
+                        paged=5)
+    assert [r["seqs"] for r in out["prefill"]] == ["1x16", "4x4", "1x16 paged5"] and not out["decode"]
+    for r in out["prefill"]:
+        assert r["ratio"] == pytest.approx(r["sdpa_ms"] / r["minillm_ms"])
+        assert "paged" in r["seqs"] or r["speedup_vs_v0"] == pytest.approx(r["v0_ms"] / r["minillm_ms"])
+    saved = json.loads((tmp_path / "a.json").read_text())
+    assert saved["prefill"] == out["prefill"] and "triton" in saved["header"]
+    for bad in (dict(variants="fast"), dict(only="everything"), dict(prefill_lengths="10"), dict(paged=0)):
+        with pytest.raises(ValueError):
+            attention.run("cpu", **bad)
