@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -45,7 +47,10 @@ dev = nb.device()
 # ways fed the same tokens: the largest logit difference at any step.
 
 # %%
-llm = minillm.LLM(device=dev, dtype="float32")
+# Three engines live in this notebook: each gets a KV pool of its own size, not 90 % of the GPU
+# (the default, which leaves the next one no room; chapter 05 explains the pool).
+POOL = dict(num_gpu_blocks=nb.pick(cpu=None, gpu=2048))  # 2048 blocks of 16 tokens: 32k tokens
+llm = minillm.LLM(device=dev, dtype="float32", **POOL)
 prompts = ["The capital of France is", "def fibonacci(n):", "A haiku about the sea:\n"]
 greedy = minillm.SamplingParams(temperature=0, max_tokens=nb.pick(cpu=16, gpu=64), ignore_eos=True)
 cached = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
@@ -93,7 +98,7 @@ print(f"max |Δ logit| over {len(gaps)} steps (fp32): {max(gaps):.2e}")
 # $N^2$ term); with it, a forward pass over one token whose attention reads $N$ cached keys and values.
 
 # %%
-model16 = minillm.LLM(device=dev, dtype=nb.pick(cpu="float32", gpu="bfloat16")).model
+model16 = minillm.LLM(device=dev, dtype=nb.pick(cpu="float32", gpu="bfloat16"), **POOL).model
 cfg = model16.config
 Ns = nb.pick(cpu=[16, 64, 256], gpu=[16, 64, 256, 1024, 2048, 4096, 8000])
 cache = KVCache.for_model(cfg, 1, max(Ns), next(model16.parameters()).dtype, dev)
@@ -156,7 +161,7 @@ from minillm.model_files import embedded_model_path
 P, new = nb.pick(cpu=(64, 8), gpu=(2000, 128))
 prompt_ids = torch.randint(0, cfg.vocab_size, (P,)).tolist()
 params = minillm.SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-llm16 = minillm.LLM(device=dev, dtype=nb.pick(cpu="float32", gpu="bfloat16"))
+llm16 = minillm.LLM(device=dev, dtype=nb.pick(cpu="float32", gpu="bfloat16"), **POOL)
 path = embedded_model_path()
 hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                        dtype=next(model16.parameters()).dtype).to(dev).eval()
