@@ -393,8 +393,8 @@ plt.show()
 # 256 new tokens, the median of 3 runs after a warm-up, CUDA graphs on — first in this process alone,
 # then with this process as rank 0 and one worker process on the second GPU (NCCL). Each run's engine
 # is shut down before the next starts, so the second one has the GPU's memory to itself. The measured
-# step is the median time per output token (TPOT); the predicted step is §6's: the weight term of §5
-# plus $2L + 1$ all-reduces at the in-graph fit. The prediction leaves out attention, the norms, the
+# step is the median time per output token (TPOT p50: the gaps between consecutive tokens of the 3 timed
+# runs); the predicted step is §6's: the weight term of §5 plus $2L + 1$ all-reduces at the in-graph fit. The prediction leaves out attention, the norms, the
 # sampling and the host, so it should come in under the measurement; how far under is the error column.
 # On a machine with fewer GPUs the cell says what it would run and shows the committed two-GPU run,
 # labelled with its GPU, date and commit — not this machine's numbers.
