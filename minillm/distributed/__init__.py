@@ -6,7 +6,7 @@ the world size and the collectives; with one rank those are 0, 1 and the identit
     communication_op.py  tensor_model_parallel_all_reduce / all_gather / gather, broadcast
     utils.py             divide, the sizes a model splits at, a free port for spawned ranks
     launch.py            run_ranks: spawn a group of ranks from one process, run a function, get results
-    measure.py           all-reduce times on a spawned group (for the alpha-beta fit)
+    measure.py           all-reduce times on a spawned group, eager and in a CUDA graph (for the alpha-beta fit)
     greedy.py            greedy decoding across the ranks (rank 0 samples and broadcasts)
     cost_model.py        the alpha-beta cost of an all-reduce, and a fit to measured times
 """

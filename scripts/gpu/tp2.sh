@@ -23,7 +23,7 @@ check() {
 }
 
 tests() {  # the two-GPU engine tests first (CUDA graphs, NCCL), then the rest of chapter 11's tests
-  MINILLM_TP_BACKEND=nccl timeout ${GPU_TESTS_S:-200} python3 -m pytest tests/test_tp_engine.py -k "two_gpus" \
+  MINILLM_TP_BACKEND=nccl timeout ${GPU_TESTS_S:-200} python3 -m pytest tests/test_tp_engine.py tests/test_tp_launch.py -k "two_gpus" \
     -q -p no:cacheprovider -rs --durations=5 2>&1 | tail -15 | tee "$OUT/tp2-tests-gpu.log"
   MINILLM_TP_BACKEND=nccl timeout ${TESTS_S:-240} python3 -m pytest tests/test_distributed.py tests/test_tp_model.py \
     tests/test_tp_layers.py tests/test_distributed_cost_model.py tests/test_tp_moe.py tests/test_tp_mla.py \
