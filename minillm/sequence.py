@@ -42,7 +42,11 @@ class Sequence:
         self.eos_ids = [] if params.ignore_eos else list(eos_ids)
         self.max_len = max_len  # prompt + output may not exceed this (the model's context)
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
-        self.text = ""
+        # The text is detokenized when someone reads it (a stream, the final output), not per token in
+        # the step (chapter 13: at batch 256 the per-token detokenizer was a quarter of the host's step).
+        # Stop strings need the text at every token, so those sequences detokenize as they go.
+        self._text, self._detok_upto, self._flushed = "", 0, False
+        self._eager_text = bool(params.stop)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
@@ -89,17 +93,30 @@ class Sequence:
             return self.eos_ids + self.params.stop_token_ids
         return []
 
+    @property
+    def text(self) -> str:
+        """The output decoded so far: the incremental detokenizer catches up on the ids it has not
+        seen, in order, so reading it every step or once at the end gives the same string."""
+        if self._detok_upto < len(self.output_ids):
+            step = self.detok.step
+            self._text += "".join(step(t) for t in self.output_ids[self._detok_upto:])
+            self._detok_upto = len(self.output_ids)
+        if self.finish_reason is not None and not self._flushed and not isinstance(self.stop_reason, str):
+            self._text += self.detok.flush()  # an unfinished character at the end becomes U+FFFD, as in decode
+            self._flushed = True
+        return self._text
+
     def append(self, token_id: int, logprob: float | None = None, entry: dict[int, Logprob] | None = None) -> None:
         self.output_ids.append(token_id)
         if logprob is not None:
             self.cumulative_logprob += logprob
         if self.logprobs is not None and entry is not None:
             self.logprobs.append(entry)
-        before = len(self.text)
-        self.text += self.detok.step(token_id)
+        before = len(self._text)
+        if self._eager_text:  # stop strings are matched in the text this token adds
+            self._text += self.detok.step(token_id)
+            self._detok_upto = len(self.output_ids)
         self._check_stop(token_id, before)
-        if self.finished and not isinstance(self.stop_reason, str):
-            self.text += self.detok.flush()  # an unfinished character at the end becomes U+FFFD, as in decode
 
     def _check_stop(self, token_id: int, before: int) -> None:
         p = self.params
@@ -112,9 +129,9 @@ class Sequence:
                 return
             for stop in p.stop:
                 # a new match must end in the text this token added
-                at = self.text.find(stop, max(0, before - len(stop) + 1))
+                at = self._text.find(stop, max(0, before - len(stop) + 1))
                 if at >= 0:
-                    self.text = self.text[: at + len(stop) if p.include_stop_str_in_output else at]
+                    self._text = self._text[: at + len(stop) if p.include_stop_str_in_output else at]
                     self.finish_reason, self.stop_reason = "stop", stop
                     return
         if (p.max_tokens is not None and len(self.output_ids) >= p.max_tokens) or self.num_tokens >= self.max_len:
@@ -123,8 +140,9 @@ class Sequence:
     def stream_delta(self) -> str:
         """New text that is safe to show: held back by (longest stop string - 1) characters until the
         end, so a stop string that is still forming is never printed."""
-        end = len(self.text) if self.finished else max(self._streamed, len(self.text) - self._holdback)
-        delta = self.text[self._streamed : end]
+        text = self.text
+        end = len(text) if self.finished else max(self._streamed, len(text) - self._holdback)
+        delta = text[self._streamed : end]
         self._streamed = end
         return delta
 
