@@ -11,7 +11,10 @@ The pool of blocks is PagedKVCache's memory; this is its bookkeeping, all on the
     (src, dst) is queued in `pending_copies` for the model runner to do on the GPU;
   * with a prefix cache (chapter 06), full blocks are named by their tokens, a new sequence starts
     from the blocks it shares with earlier ones, and blocks nobody uses stay cached until evicted;
-  * swapping (chapter 07): a preempted sequence's blocks move to a CPU pool and back.
+  * swapping (chapter 07): a preempted sequence's blocks move to a CPU pool and back;
+  * change tracking (chapter 13, track_changes=True): which tables changed since the last
+    `take_table_changes()`, from which entry, and which were dropped, so the worker can keep its own
+    copy of every table and receive only the differences each step (worker/block_table.py).
 
 Block 0 is reserved: padded rows of a CUDA-graph batch point at it, so it is never handed out.
 """
@@ -30,7 +33,8 @@ def cdiv(a: int, b: int) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 prefix_cache: PrefixCache | None = None, stats: EngineStats | None = None):
+                 prefix_cache: PrefixCache | None = None, stats: EngineStats | None = None,
+                 track_changes: bool = False):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), not {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -44,6 +48,30 @@ class BlockManager:
         self.stats = stats or EngineStats()  # counts peak_used_blocks; shared with the prefix cache
         if prefix_cache is not None:
             prefix_cache.stats = self.stats
+        self.track_changes = track_changes
+        self._changed_from: dict[int, int] = {}  # seq_id -> first table entry changed since the last take
+        self._dropped: set[int] = set()  # seq_ids whose table went away (freed, swapped out)
+
+    # ---- change tracking (chapter 13) ------------------------------------------------------------
+
+    def _changed(self, seq_id: int, index: int) -> None:
+        if self.track_changes:
+            self._changed_from[seq_id] = min(index, self._changed_from.get(seq_id, index))
+
+    def _gone(self, seq_id: int) -> None:
+        if self.track_changes:
+            self._changed_from.pop(seq_id, None)
+            self._dropped.add(seq_id)
+
+    def take_table_changes(self) -> tuple[list[int], list[tuple[int, int, list[int]]]]:
+        """(dropped seq_ids, [(seq_id, start, table[start:])]) since the last call: a table that went
+        away, and each table's entries from its first change on (its new length is start + len). A
+        copy kept up to date with these, dropped ones first, equals block_tables."""
+        dropped = sorted(self._dropped - self._changed_from.keys())  # re-created ones: sent whole below
+        updates = [(seq_id, start, self.block_tables[seq_id][start:])
+                   for seq_id, start in self._changed_from.items() if seq_id in self.block_tables]
+        self._changed_from, self._dropped = {}, set()
+        return dropped, updates
 
     @property
     def peak_used(self) -> int:
@@ -106,6 +134,8 @@ class BlockManager:
         for b in computed_blocks:
             self._take(b)
         table = self.block_tables.setdefault(seq_id, [])
+        if computed_blocks or cow or new:
+            self._changed(seq_id, min(cow, default=len(table)))
         table.extend(computed_blocks)
         for i in cow:  # a shared block about to be written: this sequence gets its own copy
             dst = self._new_block()
@@ -121,6 +151,8 @@ class BlockManager:
         tokens that were rejected; they were never named for the prefix cache)."""
         table = self.block_tables.get(seq_id)
         keep = self.blocks_needed(num_tokens)
+        if table is not None and len(table) > keep:
+            self._changed(seq_id, keep)
         while table is not None and len(table) > keep:
             self._drop(table.pop())
 
@@ -130,8 +162,10 @@ class BlockManager:
         for b in table:
             self.ref_counts[b] += 1
         self.block_tables[child_id] = list(table)
+        self._changed(child_id, 0)
 
     def free(self, seq_id: int) -> None:
+        self._gone(seq_id)
         for b in reversed(self.block_tables.pop(seq_id, [])):  # tail first: the prefix stays cached longest
             self._drop(b)
         for b in self.cpu_tables.pop(seq_id, []):
@@ -168,6 +202,7 @@ class BlockManager:
     def swap_out(self, seq_id: int) -> list[tuple[int, int]]:
         """Move a sequence's blocks to the CPU pool; returns (gpu, cpu) pairs to copy."""
         table = self.block_tables.pop(seq_id)
+        self._gone(seq_id)
         cpu = [self.free_cpu_blocks.popleft() for _ in table]
         self.cpu_tables[seq_id] = cpu
         pairs = list(zip(table, cpu))
@@ -183,6 +218,7 @@ class BlockManager:
         cpu = self.cpu_tables.pop(seq_id)
         table = [self._new_block() for _ in cpu]
         self.block_tables[seq_id] = table
+        self._changed(seq_id, 0)
         self.free_cpu_blocks.extend(cpu)
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, self.num_used_blocks)
         return list(zip(cpu, table))

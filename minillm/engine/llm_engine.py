@@ -130,7 +130,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         self.engine_stats = EngineStats()  # every counter of the engine's parts, in one object
         self.block_manager = BlockManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
                                           make_prefix_cache(config.enable_prefix_caching, config.block_size),
-                                          self.engine_stats)
+                                          self.engine_stats, track_changes=True)  # the worker keeps the tables
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler()
         self.has_proposer = spec is not None
@@ -248,7 +248,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
     def _prepare(self, sched: SchedulerOutput, logits_indices: list[int]) -> ModelInput:
         """The step as plain data for the executor (worker/model_input.py)."""
         return prepare_model_input(sched.scheduled, self.block_manager.block_tables, self.config.block_size,
-                                   logits_indices)
+                                   logits_indices, self.block_manager.take_table_changes())
 
     def _logits_rows(self, sched: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
         """Which rows of the step's packed tokens get logits (vLLM's logits_indices), and whose they are: a

@@ -141,8 +141,9 @@ class StepGraphs:
         host_tokens = torch.tensor([ids + [0] * pad_t, pos + [0] * pad_t, slots + [-1] * pad_t, rows,
                                     [*dst, *pad_p], [*src, *pad_p]])  # [6, tp]
         host_seqs = torch.tensor([seq_lens + [1] * (sp - S + 1), cu], dtype=torch.int32)  # [2, sp + 1]
-        width = len(table[0])
-        host_table = torch.tensor(table + [[0] * width] * (sp - S), dtype=torch.int32)  # [sp, width]
+        host_table = torch.zeros(sp, len(table[0]), dtype=torch.int32)  # [sp, width]; padding rows: block 0
+        host_table[:S] = torch.as_tensor(table, dtype=torch.int32)  # the worker's numpy gather, or lists
+        width = host_table.shape[1]
         self.tokens[:, :tp].copy_(host_tokens, non_blocking=True)
         self.seqs[:, : sp + 1].copy_(host_seqs, non_blocking=True)
         self.table[:sp, :width].copy_(host_table, non_blocking=True)

@@ -13,6 +13,9 @@ cache's addresses (chapter 05), for the sequences scheduled with n new tokens ea
     logits_indices        [R]        the token rows whose logits the step returns
     prev_token_dst/src               (chapter 13) rows whose token the GPU sampled last step, and
                                      which row of that step's sampled tokens each takes
+    seq_ids, table_updates,          (chapter 13) instead of block_table: the sequences in order, and
+    dropped_tables                   what changed in the block tables since the last step; the worker
+                                     keeps the tables (worker/block_table.py) and gathers [B, W] itself
 
 Plain data is what lets the worker live elsewhere: in this process (UniprocExecutor), or once per GPU
 in processes of its own (chapter 11), each receiving the same message.
@@ -38,6 +41,11 @@ class ModelInput:
     # step's sampled token prev_token_src[i], on the GPU, before the forward pass
     prev_token_dst: list[int] = field(default_factory=list)
     prev_token_src: list[int] = field(default_factory=list)
+    # the persistent block table (chapter 13): with seq_ids set, block_table is empty and the worker
+    # builds it from its own copy after applying dropped_tables, then table_updates (seq_id, start, entries)
+    seq_ids: list[int] = field(default_factory=list)
+    table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    dropped_tables: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -62,9 +70,10 @@ def new_tokens(seq: Sequence, start: int, n: int) -> list[int]:
 
 
 def pack(chunks: list[tuple[int, list[int], list[int]]], block_size: int,
-         logits_indices: list[int] | None = None) -> ModelInput:
+         logits_indices: list[int] | None = None, pad_tables: bool = True) -> ModelInput:
     """(start position, new token ids, block table) per sequence -> the step's ModelInput; logits at
-    logits_indices (default: each sequence's last new token)."""
+    logits_indices (default: each sequence's last new token). pad_tables=False leaves block_table
+    empty (the worker keeps the tables: prepare_model_input's table_changes)."""
     ids, pos, slots, seq_lens, tables, lens = [], [], [], [], [], []
     for start, tokens, table in chunks:
         n = len(tokens)
@@ -74,23 +83,27 @@ def pack(chunks: list[tuple[int, list[int], list[int]]], block_size: int,
         seq_lens.append(start + n)
         tables.append(table)
         lens.append(n)
-    width = max(len(t) for t in tables)
     if logits_indices is None:
         logits_indices, end = [], 0
         for n in lens:
             end += n
             logits_indices.append(end - 1)
-    return ModelInput(ids, pos, slots, seq_lens, [t + [0] * (width - len(t)) for t in tables], lens,
-                      list(logits_indices))
+    width = max(len(t) for t in tables) if pad_tables else 0
+    padded = [t + [0] * (width - len(t)) for t in tables] if pad_tables else []
+    return ModelInput(ids, pos, slots, seq_lens, padded, lens, list(logits_indices))
 
 
 def prepare_model_input(scheduled: list[tuple[Sequence, int]], block_tables: dict[int, list[int]],
-                        block_size: int, logits_indices: list[int]) -> ModelInput:
+                        block_size: int, logits_indices: list[int], table_changes=None) -> ModelInput:
     """The scheduler's (sequence, new tokens) pairs -> the step's ModelInput (engine side). A sequence's
     token still on the GPU (Sequence.num_pending) becomes a row the worker fills from the previous
-    step's sampled tokens."""
+    step's sampled tokens. table_changes: BlockManager.take_table_changes() of this step, for a worker
+    that keeps the block tables (then no padded [B, W] table is built here)."""
     step = pack([(s.num_computed_tokens, new_tokens(s, s.num_computed_tokens, n), block_tables[s.seq_id])
-                 for s, n in scheduled], block_size, logits_indices)
+                 for s, n in scheduled], block_size, logits_indices, pad_tables=table_changes is None)
+    if table_changes is not None:
+        step.dropped_tables, step.table_updates = table_changes
+        step.seq_ids = [s.seq_id for s, _ in scheduled]
     offset = 0
     for s, n in scheduled:
         if s.num_pending:

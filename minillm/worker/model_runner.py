@@ -17,6 +17,7 @@ from ..cache.spec import cache_layers
 from ..layers import AttentionMetadata
 from ..layers.backend import get_kernel_mode
 from ..layers.quantization.kv_cache import ensure_kv_scales
+from .block_table import PersistentBlockTable
 from .cuda_graphs import StepGraphs, cuda_graph_sizes, token_buckets
 from .model_input import ModelInput
 
@@ -34,11 +35,14 @@ def take_prev_tokens(input_ids: torch.Tensor, step: ModelInput, prev_tokens: tor
     input_ids.index_copy_(0, dst, prev_tokens.index_select(0, src).to(input_ids.dtype))
 
 
-def forward_packed(model, device, step: ModelInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """One eager forward pass over a ModelInput; -> logits [len(step.logits_indices), vocab] fp32."""
+def forward_packed(model, device, step: ModelInput, prev_tokens: torch.Tensor | None = None,
+                   block_table=None) -> torch.Tensor:
+    """One eager forward pass over a ModelInput; -> logits [len(step.logits_indices), vocab] fp32.
+    block_table: the step's [B, W] table when the worker keeps the tables (else step.block_table)."""
     meta = AttentionMetadata.from_seq_lens(step.query_lens, device)
     meta.seq_lens = torch.tensor(step.seq_lens, dtype=torch.int32, device=device)  # [B]
-    meta.block_table = torch.tensor(step.block_table, dtype=torch.int32, device=device)  # [B, W]
+    table = step.block_table if block_table is None else block_table
+    meta.block_table = torch.as_tensor(table, dtype=torch.int32).to(device)  # [B, W]
     meta.slot_mapping = torch.tensor(step.slot_mapping, dtype=torch.int64, device=device)  # [T]
     input_ids = torch.tensor(step.input_ids, device=device)  # [T]
     take_prev_tokens(input_ids, step, prev_tokens)
@@ -54,6 +58,7 @@ class ModelRunner:
         self.device = cache.device
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)  # ceil
+        self.block_tables = PersistentBlockTable(config.max_num_seqs, self.max_blocks_per_seq)
         # graphs hold minillm's Triton kernels: MINILLM_KERNELS=torch (the references) runs eagerly
         self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
                                 and get_kernel_mode() != "torch")
@@ -84,6 +89,7 @@ class ModelRunner:
         tokens (vLLM's logits_indices: each sampling sequence's last token; chapter 09 asks for several
         per sequence, one per draft token). prev_tokens: the previous step's sampled tokens on the
         device, for the rows step.prev_token_dst names (overlap scheduling)."""
+        table = self.step_block_table(step)  # first: the table changes must land whatever happens next
         self.bind()
         if step.prev_token_dst and prev_tokens is None:
             raise ValueError("this step takes tokens sampled by the previous one, but none were given")
@@ -92,9 +98,17 @@ class ModelRunner:
                  if graphs is not None else None)
         if shape is not None:
             return graphs.run(shape, step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
-                              step.block_table, step.query_lens, step.logits_indices,
+                              table, step.query_lens, step.logits_indices,
                               (step.prev_token_dst, step.prev_token_src, prev_tokens))
-        return forward_packed(self.model, self.device, step, prev_tokens)
+        return forward_packed(self.model, self.device, step, prev_tokens, table)
+
+    def step_block_table(self, step: ModelInput):
+        """The step's [B, W] block table: gathered from the worker's own copy, updated with the step's
+        changes (chapter 13), or the padded lists of a message that carries them (labs, tests)."""
+        if not step.seq_ids:
+            return step.block_table
+        self.block_tables.apply(step.dropped_tables, step.table_updates)
+        return self.block_tables.gather(step.seq_ids)  # [B, W] int32 numpy
 
     def bind(self) -> None:
         """Point the model's attention layers at the pool (again, if someone else, chapter 03's
