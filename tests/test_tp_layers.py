@@ -112,14 +112,15 @@ def test_qkv_parallel_heads_and_kv_replication(tp, replicas, seed):
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("input_is_parallel", [True, False])
-def test_row_parallel_sum_is_the_full_layer_with_bias_once(tp, input_is_parallel, seed):
+@pytest.mark.parametrize("reduce_results", [True, False])  # False: the caller reduces (MoE shared experts)
+def test_row_parallel_sum_is_the_full_layer_with_bias_once(tp, input_is_parallel, reduce_results, seed):
     torch.manual_seed(seed)
     N, K = 12, 32
     w, b, x = torch.randn(N, K), torch.randn(N), torch.randn(9, K)
     full = x @ w.T + b
     total = torch.zeros_like(full)
-    for r, layer in enumerate(ranks(tp, lambda: RowParallelLinear(K, N, bias=True,
-                                                                  input_is_parallel=input_is_parallel))):
+    for r, layer in enumerate(ranks(tp, lambda: RowParallelLinear(K, N, bias=True, input_is_parallel=input_is_parallel,
+                                                                  reduce_results=reduce_results))):
         load(layer, "weight", w)
         load(layer, "bias", b)
         assert layer.weight.shape == (N, K // tp)

@@ -212,6 +212,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel and self.tp_size > 1:
             x = x.chunk(self.tp_size, dim=-1)[self.tp_rank]  # [T, in / tp]: this rank's columns
-        # the bias joins after the reduce (on rank 0 only, were it added before it)
-        y = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 or not self.reduce_results else None)
+        # the bias once: on rank 0 only, so the sum over ranks (this all-reduce, or the caller's when
+        # reduce_results=False) counts it once
+        y = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
         return tensor_model_parallel_all_reduce(y) if self.reduce_results and self.tp_size > 1 else y  # [T, out]
