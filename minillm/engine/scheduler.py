@@ -26,6 +26,7 @@ cost O(log n) whatever the queue's length, so a burst of aborts never stalls the
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from ..sequence import Sequence, SequenceStatus
@@ -103,15 +104,16 @@ class Scheduler:
         # Within a priority, decodes before prompt chunks (Sarathi-Serve): a long prompt never delays
         # the next token of a sequence already generating.
         order = self._order
-        queue = sorted(self.running, key=lambda s: (order[s.seq_id][0], s.num_tokens - s.num_computed_tokens > 1,
-                                                    order[s.seq_id][1:]))
+        queue = deque(sorted(self.running, key=lambda s: (order[s.seq_id][0], s.num_tokens - s.num_computed_tokens > 1,
+                                                          order[s.seq_id][1:])))
         self.running = []
         lookahead, batch = self.num_lookahead, len(queue)
         while queue:
-            seq = queue.pop(0)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            seq = queue.popleft()
+            todo = seq.num_tokens - seq.num_computed_tokens
+            n = min(todo, budget)
             # one token to go (a prompt's last one too), and no forks waiting for this step's logits
-            decoding = seq.num_tokens - seq.num_computed_tokens == 1 and seq.seq_id not in self._fanout
+            decoding = todo == 1 and seq.seq_id not in self._fanout
             k = min(lookahead(seq, batch), budget - 1) if lookahead is not None and decoding else 0
             if k > 0 and self.bm.allocate_slots(seq.seq_id, seq.num_computed_tokens + 1 + k, 1 + k):
                 out.scheduled.append((seq, 1 + k))  # the last token and k drafts, proposed after scheduling
