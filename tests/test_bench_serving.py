@@ -170,6 +170,16 @@ def test_cpu_defaults_shrink_with_a_note(capsys):
                    "max_output_len": 1024, "hf_batch_size": 64}
 
 
+def test_bench_profile_runs_end_to_end_on_cpu(tmp_path):
+    """`minillm bench profile` as the CLI calls it: both overlap settings, a JSON with every run."""
+    from minillm.bench import profile
+
+    res = profile.run(TINY, batch_sizes="1,2", steps=2, device="cpu", progress=False, json_path=tmp_path / "p.json",
+                      block_size=4, num_gpu_blocks=64)
+    assert [(r["batch_size"], r["async_scheduling"]) for r in res["runs"]] == [(1, True), (2, True), (1, False), (2, False)]
+    assert (tmp_path / "p.json").exists()
+
+
 def test_profile_decode_step_on_cpu():
     from minillm.bench.serving_setup import NoTextTokenizer
     from minillm.loader import load_model

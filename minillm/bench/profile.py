@@ -14,7 +14,7 @@ import torch
 
 from ..checks import check_int
 from ..hw import default_device
-from .serving import _engine, _write
+from .serving import _engine, _engine_config, _write
 from .serving_setup import free_engine, header, load_models
 from .step_profile import profile_decode_step
 from .table import print_table
@@ -39,7 +39,7 @@ def run(model=None, *, batch_sizes: str | list[int] = "1,64,256", steps: int = 1
     rows, runs = [], []
     for on in settings:
         args = {"max_num_seqs": max(sizes), **engine_args, "async_scheduling": on}
-        engine = _engine(models, args, progress)
+        engine = _engine(models, _engine_config(args), progress)
         for b in sizes:
             prof = profile_decode_step(engine, b, steps=steps)
             runs.append(prof)
