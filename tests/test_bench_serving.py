@@ -174,9 +174,10 @@ def test_bench_profile_runs_end_to_end_on_cpu(tmp_path):
     """`minillm bench profile` as the CLI calls it: both overlap settings, a JSON with every run."""
     from minillm.bench import profile
 
-    res = profile.run(TINY, batch_sizes="1,2", steps=2, device="cpu", progress=False, json_path=tmp_path / "p.json",
-                      block_size=4, num_gpu_blocks=64)
+    res = profile.run(TINY, batch_sizes="1,2", steps=2, prompt_len=9, device="cpu", progress=False,
+                      json_path=tmp_path / "p.json", block_size=4, num_gpu_blocks=64)
     assert [(r["batch_size"], r["async_scheduling"]) for r in res["runs"]] == [(1, True), (2, True), (1, False), (2, False)]
+    assert {r["context_len"] for r in res["runs"]} == {9 + 3 + 2}  # prompt + warm-up + measured steps
     assert (tmp_path / "p.json").exists()
 
 

@@ -24,12 +24,13 @@ COLS = ["async", "batch_size", "wall_ms", "gpu_kernel_ms", "gpu_busy_pct", "gap_
 
 
 def run(model=None, *, batch_sizes: str | list[int] = "1,64,256", steps: int = 10, overlap: str = "both",
-        device=None, json_path=None, progress: bool = True, **engine_args) -> dict:
+        prompt_len: int = 32, device=None, json_path=None, progress: bool = True, **engine_args) -> dict:
     device = default_device() if device is None else torch.device(device)
     sizes = [int(b) for b in batch_sizes.split(",")] if isinstance(batch_sizes, str) else list(batch_sizes)
     for b in sizes:
         check_int("batch_sizes", b)
     check_int("steps", steps)
+    check_int("prompt_len", prompt_len)
     settings = {"both": [True, False], "on": [True], "off": [False]}.get(overlap)
     if settings is None:
         raise ValueError(f"overlap must be 'both', 'on' or 'off', not {overlap!r}")
@@ -41,7 +42,7 @@ def run(model=None, *, batch_sizes: str | list[int] = "1,64,256", steps: int = 1
         args = {"max_num_seqs": max(sizes), **engine_args, "async_scheduling": on}
         engine = _engine(models, _engine_config(args), progress)
         for b in sizes:
-            prof = profile_decode_step(engine, b, steps=steps)
+            prof = profile_decode_step(engine, b, steps=steps, prompt_len=prompt_len)
             runs.append(prof)
             rows.append({"async": "on" if on else "off", **{k: prof[k] for k in COLS[1:]}})
             for k in prof["top_kernels"]:
@@ -65,6 +66,8 @@ def add_arguments(parser, workload: str) -> None:
                         "embedded SmolLM2-135M)")
     parser.add_argument("--batch-sizes", default="1,64,256", help="comma-separated (default 1,64,256)")
     parser.add_argument("--steps", type=int, default=10, help="measured steps per batch size")
+    parser.add_argument("--prompt-len", type=int, default=32, help="tokens of each request's prompt: the context "
+                        "(and block-table width) the decode steps run at (default 32)")
     parser.add_argument("--overlap", default="both", choices=["both", "on", "off"],
                         help="overlap scheduling (async_scheduling) settings to run")
     parser.add_argument("--device", default=None)
