@@ -134,9 +134,17 @@ def test_a_stop_inside_an_accepted_run(seed, tok, stop):
     after it are dropped, exactly as plain decoding stops there."""
     rng = random.Random(seed)
     model, config = random_model(rng)
-    prompt = [rng.randrange(config.vocab_size) for _ in range(7)]
-    plain = greedy_run(model, tok, prompt)
-    at = 5  # the output token that ends the request (0-based)
+    for _ in range(50):  # a prompt whose greedy output has a token first seen at index 3 or later
+        prompt = [rng.randrange(config.vocab_size) for _ in range(7)]
+        plain = greedy_run(model, tok, prompt)
+        ids = plain.output_ids
+        # the output token that ends the request (0-based): its first occurrence, so that drafting steps
+        # run before it (a token also seen at 0 would end the request at its prefill, before any draft)
+        at = next((i for i in range(3, len(ids)) if ids[i] not in ids[:i]), None)
+        if at is not None:
+            break
+    else:
+        raise AssertionError("no prompt of 50 gave an output with a new token after index 3")
     eos, params = [], SamplingParams(max_tokens=24, temperature=0)
     if stop == "eos":
         eos = [plain.output_ids[at]]
