@@ -43,10 +43,10 @@ LATENCY_KEYS = {"engine", "decode_tok_s", "ttft_ms", "tpot_p50_ms", "tpot_p99_ms
 
 def test_throughput_counts_and_ratio(seed, tmp_path, capsys):
     n, hf_n, batch = 6, 5, 2
-    # a pool of 12 blocks of 4 tokens for requests of up to 28 tokens: the engine must preempt
+    # a pool of 8 blocks of 4 tokens (7 usable) for requests of up to 28 tokens: the engine must preempt
     res = serving.throughput(TINY, num_requests=n, **SIZES, seed=seed, hf_batch_size=batch, hf_requests=hf_n,
                              device="cpu", progress=False, json_path=tmp_path / "t.json", block_size=4,
-                             num_gpu_blocks=12, max_num_batched_tokens=32)
+                             num_gpu_blocks=8, max_num_batched_tokens=32)
     assert json.loads((tmp_path / "t.json").read_text()) == json.loads(json.dumps(res))  # JSON-ready as returned
     ours, peer = res["minillm"], res["hf"]
     assert MINILLM_KEYS <= ours.keys() and HF_KEYS <= peer.keys()
@@ -58,7 +58,7 @@ def test_throughput_counts_and_ratio(seed, tmp_path, capsys):
     assert all(r["generated"] == r["output_len"] for r in res["requests"])
     assert ours["output_tokens"] == sum(o for _, o in want)
     assert ours["output_tok_s"] == pytest.approx(ours["output_tokens"] / ours["elapsed_s"])
-    assert ours["num_preemptions"] > 0 and ours["peak_used_blocks"] <= 11  # block 0 is never handed out
+    assert ours["num_preemptions"] > 0 and ours["peak_used_blocks"] <= 7  # block 0 is never handed out
 
     # HF: only the first hf_n requests; every row of a batch runs to the batch's longest output
     sub = want[:hf_n]
