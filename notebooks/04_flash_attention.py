@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -240,8 +242,9 @@ from minillm.layers.backend import kernel_mode
 prompt = "The three most important ideas in computer science are"
 new = nb.pick(cpu=3, gpu=64)
 greedy = minillm.SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+POOL = dict(num_gpu_blocks=nb.pick(cpu=None, gpu=2048))  # 32k tokens each: both engines fit beside each other
 for dtype in nb.pick(cpu=["float32"], gpu=["float32", "bfloat16"]):
-    llm = minillm.LLM(device=dev, dtype=dtype)
+    llm = minillm.LLM(device=dev, dtype=dtype, **POOL)
     with kernel_mode("triton"):
         ours = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
     with kernel_mode("torch"):

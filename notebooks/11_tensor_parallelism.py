@@ -20,11 +20,15 @@
 # price is that the processes must meet — an all-reduce after every attention block and every MLP. This
 # notebook shows the split on the embedded model's own layers (each rank's shard, combined, is the
 # unsharded layer), counts the bytes each rank holds, fits the α–β cost model to all-reduces measured
-# on this machine, times one rank's GEMMs on a GPU, predicts what TP = 2, 4 and 8 buy Llama-3-8B, and
-# ends with the oracle: a model split over two spawned processes decodes the tokens of one process.
+# on this machine, times one rank's GEMMs on a GPU, predicts what TP = 2, 4 and 8 buy Llama-3-8B, measures
+# TP = 1 and 2 on two GPUs beside that prediction, and ends with the oracle: a model split over two
+# spawned processes decodes the tokens of one process.
 
 # %%
+import gc
+import json
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -38,8 +42,10 @@ if not torch.cuda.is_available():  # Triton's interpreter must be chosen before 
 import matplotlib.pyplot as plt
 import transformers
 
+import minillm
 from minillm import LLM, SamplingParams
 from minillm import notebook as nb
+from minillm.bench.serving import latency
 from minillm.bench.serving_setup import NoTextTokenizer
 from minillm.bench.table import print_table
 from minillm.cache import bytes_per_token, kv_cache_spec
@@ -226,32 +232,52 @@ print_table(bytes_rows, title="per rank, bf16 weights (built as rank 0 on the me
 # do, not a measurement of it; on a CPU, gloo between two processes. `fit_alpha_beta`
 # (`minillm/distributed/cost_model.py`) fits $T(n) = 2(p-1)\alpha + \frac{2(p-1)}{p}\frac{n}{\beta}$ (ring)
 # and $\alpha + (p-1)\frac{n}{\beta}$ (one-shot) by least squares on relative errors.
+#
+# On NCCL each size is timed twice: **eager**, each all-reduce launched from Python, and **in a CUDA
+# graph**, a loop of them recorded once and replayed. The prediction in §6 uses the in-graph fit,
+# because that is how the engine runs them: its decode step is one graph replay (chapter 07), the
+# all-reduces inside it included, so no all-reduce of a step pays a launch from the host; the gap
+# between the two series below is what that saves here. gloo works on the host, and a CUDA graph
+# records GPU work only, so on one GPU and on a CPU there are eager times alone, and the prediction
+# uses them.
 
 # %%
 sizes = [8192 * 4**i for i in range(nb.pick(cpu=6, gpu=7))]  # 8 KB ... 8 MB (CPU), 32 MB (GPU)
 for attempt in range(3):  # a busy machine can upset one sweep's small sizes; the fit then says so: measure again
+    # eager, and on NCCL also replayed from a CUDA graph (each after a sum check on random integers)
     ar = measure_allreduce(sizes, world_size=2, iters=nb.pick(cpu=10, gpu=50), repeats=nb.pick(cpu=3, gpu=7))
+    times = {"eager": ar["seconds"], **({"graph": ar["graph_seconds"]} if ar["graph_seconds"] else {})}
     try:
-        fits = {alg: fit_alpha_beta(ar["sizes"], ar["seconds"], 2, alg) for alg in ("ring", "one_shot")}
+        fits = {(mode, alg): fit_alpha_beta(ar["sizes"], t, 2, alg) for mode, t in times.items()
+                for alg in ("ring", "one_shot")}
         break
     except ValueError as e:
         print(f"sweep {attempt + 1}: {e}")
+ENGINE_MODE = "graph" if "graph" in times else "eager"  # how the engine's step runs its all-reduces here
 print(f"backend {ar['backend']} on {ar['device']} tensors, {ar['world_size']} spawned ranks "
-      f"(ranks' medians within {ar['rank_spread']:.2f}x of each other)")
-rows = [{"bytes": n, "measured_us": 1e6 * t, **{f"{a}_fit_us": 1e6 * f.allreduce_time(n, 2) for a, f in fits.items()},
-         "algbw_GBps": n / t / 1e9} for n, t in zip(ar["sizes"], ar["seconds"])]
+      f"(ranks' medians within {ar['rank_spread']:.2f}x of each other)"
+      + ("" if "graph" in times else f"; {ar['backend']} cannot be captured in a CUDA graph: eager times only"))
+rows = [{"bytes": n, **{f"{mode}_us": 1e6 * t[i] for mode, t in times.items()},
+         **{f"{mode}_ring_fit_us": 1e6 * fits[mode, "ring"].allreduce_time(n, 2) for mode in times},
+         **{f"{mode}_algbw_GBps": n / t[i] / 1e9 for mode, t in times.items()}} for i, n in enumerate(ar["sizes"])]
 print_table(rows, title=f"all-reduce of n bytes over 2 ranks ({ar['backend']}, {ar['device']})")
-for alg, f in fits.items():
-    worst = max(abs(f.allreduce_time(n, 2) / t - 1) for n, t in zip(ar["sizes"], ar["seconds"]))
-    print(f"{alg:>8}: alpha {1e6 * f.alpha:8.1f} us, beta {f.beta / 1e9:7.2f} GB/s, worst relative error {worst:.0%}")
-ring = fits["ring"]
+for (mode, alg), f in fits.items():
+    worst = max(abs(f.allreduce_time(n, 2) / t - 1) for n, t in zip(ar["sizes"], times[mode]))
+    print(f"{mode:>5} {alg:>8}: alpha {1e6 * f.alpha:8.1f} us, beta {f.beta / 1e9:7.2f} GB/s, "
+          f"worst relative error {worst:.0%}")
+ring = fits[ENGINE_MODE, "ring"]
+print(f"the prediction below uses the {ENGINE_MODE} ring fit: {1e6 * ring.allreduce_time(LLAMA.hidden_size * 2, 2):.1f} "
+      f"µs per all-reduce of one Llama-3-8B token ({LLAMA.hidden_size * 2} B)")
 
 fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-ax.loglog(ar["sizes"], [1e6 * t for t in ar["seconds"]], "o", label=f"measured ({ar['backend']}, {ar['device']})")
 grid = [sizes[0] * 2 ** (i / 4) for i in range(4 * (len(sizes) - 1) * 2 + 1)]
-for alg, f in fits.items():
-    ax.loglog(grid, [1e6 * f.allreduce_time(n, 2) for n in grid], "-" if alg == "ring" else "--",
-              label=f"{alg}: α {1e6 * f.alpha:.0f} µs, β {f.beta / 1e9:.1f} GB/s")
+for mode, t in times.items():
+    pts = ax.loglog(ar["sizes"], [1e6 * x for x in t], "o" if mode == "eager" else "s",
+                    label=f"measured, {mode} ({ar['backend']}, {ar['device']})")
+    f = fits[mode, "ring"]
+    ax.loglog(grid, [1e6 * f.allreduce_time(n, 2) for n in grid], "-", color=pts[0].get_color(),
+              label=f"{mode} fit: ring α {1e6 * f.alpha:.1f} µs (one-shot {1e6 * fits[mode, 'one_shot'].alpha:.1f}), "
+                    f"β {f.beta / 1e9:.1f} GB/s")
 ax.axvline(LLAMA.hidden_size * 2, color="0.6", lw=0.8)
 ax.text(LLAMA.hidden_size * 2, ax.get_ylim()[1], " Llama-3-8B decode\n message (batch 1)", va="top", fontsize=8)
 ax.set(xlabel="message (bytes)", ylabel="µs per all-reduce", title="all-reduce time over 2 ranks, and the α–β fit")
@@ -264,7 +290,9 @@ plt.show()
 # Flat at the left (α: the fixed cost), a slope of one at the right (β: the bandwidth). A decode message
 # sits at the far left, where only α counts. At $p = 2$ the ring and the one-shot all-reduce move the
 # same bytes and differ only in how many α they pay (2 against 1), so both fit the same curve, with α
-# halved for the ring; they part at $p \ge 4$, where the prediction below uses the ring.
+# halved for the ring; they part at $p \ge 4$, where the prediction below uses the ring. On NCCL the
+# eager and the graphed series part at the left, where an eager call's launch from the host is most of
+# its time and a replay has none, and meet at the right, where moving the bytes is the time.
 #
 # ## 5. One rank's GEMMs on the GPU
 #
@@ -313,7 +341,8 @@ else:
 #
 # A batch-1 decode step at size $p$: the weight term (§5: measured GEMMs on a GPU, the floor at the
 # measured copy bandwidth on a CPU) plus $2L + 1$ all-reduces of one token's hidden state at the fitted
-# α–β (ring). The fit was made on 2 ranks; for 4 and 8 the ring formula carries it, which assumes the
+# α–β (ring; the in-graph fit on NCCL, as the engine replays its step, the eager one elsewhere). The
+# fit was made on 2 ranks; for 4 and 8 the ring formula carries it, which assumes the
 # same link between every pair — an extrapolation. The published anchor is gpt-fast's: Llama-3.1-8B at
 # batch 1 on A100s (330 W), 93.83 tok/s on one GPU, 149.10 on two (1.59×), 217.21 on four, 276.01 on
 # eight; Llama-2-7B 104.9 → 168.84 (1.61×) at TP = 2 (the gpt-fast README, github.com/pytorch-labs/gpt-fast,
@@ -330,15 +359,16 @@ for p in llama:
     rows.append({"p": p, "weights_ms": weights_ms[p], "comm_ms": comm_ms, "step_ms": step_ms,
                  "predicted_speedup": (weights_ms[1]) / step_ms, "gpt_fast_A100": GPT_FAST_TOK_S[p] / GPT_FAST_TOK_S[1]})
 print_table(rows, title=f"Llama-3-8B batch-1 decode step, predicted on this machine ({ar['backend']} all-reduce, "
-            f"weights from {'measured GEMMs' if gemm_ms else 'the copy-bandwidth floor'})")
+            f"{ENGINE_MODE} fit, weights from {'measured GEMMs' if gemm_ms else 'the copy-bandwidth floor'})")
 need = {p: (weights_ms[1] / 1.5 - weights_ms[p]) / llama[p]["allreduces"] for p in (2,)}
 print(f"for 1.5x at p = 2 each of the {llama[2]['allreduces']} all-reduces must take under {1e3 * need[2]:.1f} µs; "
-      f"the fit here gives {1e6 * ring.allreduce_time(message, 2):.1f} µs")
+      f"the {ENGINE_MODE} fit here gives {1e6 * ring.allreduce_time(message, 2):.1f} µs")
 
 fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
 ps = list(llama)
 ax.plot(ps, ps, ":", color="0.5", label="ideal (weights / p, free all-reduces)")
-ax.plot(ps, [r["predicted_speedup"] for r in rows], "o-", label=f"predicted here ({ar['backend']}, {ar['device']})")
+ax.plot(ps, [r["predicted_speedup"] for r in rows], "o-",
+        label=f"predicted here ({ar['backend']}, {ar['device']}, {ENGINE_MODE} all-reduce)")
 ax.plot(ps, [GPT_FAST_TOK_S[p] / GPT_FAST_TOK_S[1] for p in ps], "s--", label="gpt-fast, A100 (published)")
 ax.set_xscale("log", base=2)
 ax.set_xticks(ps, [str(p) for p in ps])
@@ -354,9 +384,62 @@ plt.show()
 # calls per step do not, and at $p = 8$ they are a large part of the step. Whether TP pays on a machine
 # is the ratio of the two terms: the line above says how short each all-reduce must be for 1.5× at
 # $p = 2$, to compare with the fitted time. Only a machine with two GPUs on NCCL measures the real
-# step (issue 28: `scripts/gpu/tp2.sh`).
+# step: the next section.
 #
-# ## 7. The oracle: TP = 2 in two processes decodes the tokens of one
+# ## 7. Measured: the engine at TP = 1 and 2, beside the prediction
+#
+# On a machine with two or more GPUs, `minillm bench latency` runs here twice
+# (`minillm/bench/serving.py`): Llama-3-8B's shapes with dummy weights, batch 1, a 128-token prompt and
+# 256 new tokens, the median of 3 runs after a warm-up, CUDA graphs on — first in this process alone,
+# then with this process as rank 0 and one worker process on the second GPU (NCCL). Each run's engine
+# is shut down before the next starts, so the second one has the GPU's memory to itself. The measured
+# step is the median time per output token (TPOT p50: the gaps between consecutive tokens of the 3 timed
+# runs); the predicted step is §6's: the weight term of §5 plus $2L + 1$ all-reduces at the in-graph fit. The prediction leaves out attention, the norms, the
+# sampling and the host, so it should come in under the measurement; how far under is the error column.
+# On a machine with fewer GPUs the cell says what it would run and shows the committed two-GPU run,
+# labelled with its GPU, date and commit — not this machine's numbers.
+
+# %%
+BENCH_DIR = "chapters/bench/h200x2-2026-11-25"  # the committed two-GPU run shown where this machine has < 2 GPUs
+pred_ms = {r["p"]: r["step_ms"] for r in rows}
+ON_TWO_GPUS = nb.on_gpu() and torch.cuda.device_count() >= 2
+if ON_TWO_GPUS:
+    measured = {}
+    for p in (1, 2):
+        gc.collect()  # the engine is shut down inside latency(); let its model and KV pool go before the next
+        torch.cuda.empty_cache()
+        print(f"before TP = {p}: {torch.cuda.memory_allocated() / 1e9:.2f} GB allocated on GPU 0")
+        res = latency("llama-3-8b-dummy", hf=False, progress=False, tensor_parallel_size=p)
+        measured[p] = res["minillm"]["tpot_p50_ms"]
+        print()
+    source = f"measured here: {torch.cuda.get_device_name()} x 2, NCCL"
+else:
+    found = [d / BENCH_DIR for d in (Path.cwd().parent, Path(minillm.__file__).resolve().parents[1])
+             if (d / BENCH_DIR).is_dir()]
+    print(f"{torch.cuda.device_count()} GPU(s) here: on two or more this cell runs `minillm bench latency --model "
+          f"llama-3-8b-dummy --no-hf --tensor-parallel-size 1` and `... 2` (batch 1, 128 + 256 tokens) and puts "
+          f"the median TPOT beside §6's prediction")
+    stored = {p: json.loads((found[0] / f"latency-llama-3-8b-tp{p}.json").read_text()) for p in (1, 2)} if found \
+        else None
+    if stored:
+        head = stored[2]["header"]
+        commit = re.search(r"commit ([0-9a-f]{7,})", (found[0] / "README.md").read_text())
+        measured = {p: stored[p]["minillm"]["tpot_p50_ms"] for p in (1, 2)}
+        source = (f"stored: {stored[2]['ceilings']['device']} x 2 {re.search(r'20[0-9]{2}-[0-9]{2}-[0-9]{2}', head)[0]} "
+                  f"commit {commit[1] if commit else 'unknown'} from {BENCH_DIR}, not this run's")
+    else:
+        measured, source = None, None
+        print(f"(no {BENCH_DIR} beside this notebook to show the committed run from)")
+if measured:
+    print_table([{"p": p, **({"predicted_step_ms": pred_ms[p]} if ON_TWO_GPUS else {}), "measured_step_ms": measured[p],
+                  **({"error_pct": 100 * (pred_ms[p] / measured[p] - 1)} if ON_TWO_GPUS else {}),
+                  "measured_speedup": measured[1] / measured[p], "gpt_fast_A100": GPT_FAST_TOK_S[p] / GPT_FAST_TOK_S[1]}
+                 for p in (1, 2)], title=f"Llama-3-8B batch-1 decode step, TP = 1 and 2 ({source})")
+    if not ON_TWO_GPUS:
+        print("no predicted column: §6 predicted this machine's step, and the stored measurement is another machine's")
+
+# %% [markdown]
+# ## 8. The oracle: TP = 2 in two processes decodes the tokens of one
 #
 # A tiny random Llama checkpoint written by transformers (4 query heads, 2 KV heads, an odd vocabulary
 # of 321 so the last rank's slice has an overhang); two spawned ranks on gloo each load only their shard
@@ -405,7 +488,7 @@ print(f"prompt {prompt}\n  TP = 1 (LLMEngine):  {tp1}\n  TP = 2 (2 processes): {
       f"(equal; the group ran in {spawn_s:.0f} s with its start-up)")
 
 # %% [markdown]
-# ## 8. The engine on several ranks: `LLM(model, tensor_parallel_size=N)`
+# ## 9. The engine on several ranks: `LLM(model, tensor_parallel_size=N)`
 #
 # Everything above started the ranks by hand. The engine does it itself: `LLM(...,
 # tensor_parallel_size=N)` makes this process rank 0 (it schedules, samples and holds a worker of its
@@ -443,8 +526,8 @@ print(f"size 1 in {t1 - t0:.1f} s, size 3 in {t2 - t1:.1f} s (3 processes starti
 # unsharded model's blocks; the vocabulary splits by rows with a mask (embedding) and by columns of
 # logits gathered to the sampling rank (head). Each rank holds about $1/p$ of the bytes and makes
 # $2L + 1$ all-reduces of a few KB per decode step, whose cost is almost all α. On this machine's
-# all-reduce the α–β model predicts the speedup plotted above; the measured TP = 2 step on two GPUs
-# is issue 28's run.
+# all-reduce the α–β model predicts the speedup plotted above, and on two GPUs §7 puts the engine's
+# measured TP = 1 and 2 steps beside that prediction.
 
 # %%
 print(f"notebook ran in {time.perf_counter() - T0:.0f} s")
