@@ -68,7 +68,7 @@ class LLM:
                  enable_kv_cache: bool = True, quantization=None, tensor_parallel_size: int = 1, **engine_args):
         if not isinstance(enable_kv_cache, bool):
             raise TypeError(f"enable_kv_cache must be True or False, not {enable_kv_cache!r}")
-        self.enable_kv_cache = enable_kv_cache
+        self._enable_kv_cache = enable_kv_cache
         self.device = _device(device)
         self.dtype = _dtype(dtype, self.device)
         self.tensor_parallel_size = tp = check_tp_size(tensor_parallel_size, self.device)
@@ -136,13 +136,33 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    @property
+    def enable_kv_cache(self) -> bool:
+        """True: requests run in the engine (paged KV cache, batches); False: chapter 02's loop, one
+        request at a time, recomputing the whole sequence each step. An LLM built with the cache can be
+        switched to the loop and back (chapter 03 compares the two on one model); one built without has
+        no engine to switch to."""
+        return self._enable_kv_cache
+
+    @enable_kv_cache.setter
+    def enable_kv_cache(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"enable_kv_cache must be True or False, not {value!r}")
+        if not value and self.tensor_parallel_size > 1:
+            raise ValueError("enable_kv_cache=False runs the model in this process alone, and its weights are "
+                             f"sharded over {self.tensor_parallel_size} ranks: keep the engine")
+        if value and self.engine is None:
+            raise ValueError("enable_kv_cache=True needs an engine, and this LLM was built with "
+                             "enable_kv_cache=False: build LLM(enable_kv_cache=True) instead")
+        self._enable_kv_cache = value
+
     # ---- requests -------------------------------------------------------------------------------
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """prompts: a str, a list of str, or {"prompt_token_ids": [...]} dicts (or a list of them)."""
         requests = self._prepare(prompts, sampling_params)
-        if self.engine is None:  # chapter 02: one request at a time, recomputing everything each step
+        if not self._enable_kv_cache:  # chapter 02: one request at a time, recomputing everything each step
             outputs = []
             for prompt, ids, params in tqdm(requests, desc="generating", disable=not use_tqdm or len(requests) < 2):
                 *_, seqs = generate_sequences(self.model, self.tokenizer, ids, params, self.eos_token_ids,
@@ -215,7 +235,7 @@ class LLM:
         [(_, ids, params)] = self._prepare([prompt], sampling_params)
         if params.n != 1:
             raise ValueError(f"stream() makes one completion; n must be 1, not {params.n}")
-        if self.engine is None:
+        if not self._enable_kv_cache:
             for (seq,) in generate_sequences(self.model, self.tokenizer, ids, params, self.eos_token_ids,
                                               self.sampler, use_kv_cache=False):
                 if delta := seq.stream_delta():

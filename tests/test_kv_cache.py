@@ -86,6 +86,25 @@ def test_greedy_tokens_identical_with_and_without_cache_embedded_model():
     assert [c.token_ids for c in llm.generate(prompts[0], sampled)[0].outputs] == without
 
 
+def test_switching_the_cache_off_leaves_the_engine_alone(monkeypatch):
+    """enable_kv_cache=False on an LLM built with the engine runs chapter 02's loop: the engine is not
+    stepped (a flag that changed nothing made the test above compare the engine with itself)."""
+    llm = LLM(dtype="float32", device="cpu", num_gpu_blocks=64)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.enable_kv_cache = False
+
+    def refuse(*_, **__):
+        raise AssertionError("the engine ran with enable_kv_cache=False")
+    monkeypatch.setattr(llm.engine, "step", refuse)
+    assert len(llm.generate("The capital of France is", greedy, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    assert "".join(llm.stream("Hello", greedy))
+    with pytest.raises(TypeError, match="enable_kv_cache"):
+        llm.enable_kv_cache = 1
+    bare = LLM(dtype="float32", device="cpu", enable_kv_cache=False)
+    with pytest.raises(ValueError, match="needs an engine"):
+        bare.enable_kv_cache = True
+
+
 def test_cache_memory_is_chapter_00_formula():
     config = ModelConfig(architecture="llama", vocab_size=10, hidden_size=64, intermediate_size=64, num_layers=3,
                          num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)
