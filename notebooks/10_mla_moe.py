@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -188,9 +190,11 @@ plt.show()
 # - **paged MLA decode** — GB/s of latent cache read, against the measured copy bandwidth, and the
 #   naive path (up-project every cached latent to every head's K and V, then attention).
 #
-# The issue's targets (H100), printed beside the measurements, not asserted: fused ≥ 3× the loop at
-# M ≤ 16 and ≥ 50 % of the dense rate at M ≥ 4096; MLA decode ≥ 80 % of copy bandwidth at batch ≥ 32,
-# context ≥ 4k (FlashMLA reports 3,000 GB/s on an H800). On a CPU the interpreter runs tiny shapes:
+# Targets for an H100 (chapter 10's kernel issue), printed beside the measurements, not asserted:
+# fused MoE ≥ 45 % of the dense rate at M ≥ 4096 (and, at M ≤ 16, faster than the per-expert loop);
+# MLA decode ≥ 80 % of copy bandwidth for V2-Lite's 16 heads and ≥ 250 TFLOP/s for V3's 128 heads, at
+# batch ≥ 32 and context ≥ 4k (FlashMLA reports 3,000 GB/s and 660 TFLOP/s on an H800). On a CPU the
+# interpreter runs tiny shapes:
 # the numbers only show that the code runs.
 
 # %%
@@ -210,15 +214,20 @@ plt.show()
 small = [r for r in bench["moe"] if r["M"] <= 16]
 large = [r for r in bench["moe"] if r["M"] >= 4096]
 wide = [r for r in bench["mla"] if r["batch"] >= 32 and r["context"] >= 4096]
+few_heads = [r for r in wide if r["heads"] <= 16]  # V2-Lite: memory-bound, so % of copy
+many_heads = [r for r in wide if r["heads"] >= 128]  # V3: compute-bound, so TFLOP/s
 targets = [
     {"measure": "fused / loop speed, M <= 16 (min)", "value": min((r["speedup_vs_loop"] for r in small),
-                                                                  default=float("nan")), "target": ">= 3x"},
+                                                                  default=float("nan")), "target": "> 1x"},
     {"measure": "fused, % of dense, M >= 4096 (min)", "value": min((r["pct_of_dense"] for r in large),
-                                                                   default=float("nan")), "target": ">= 50 %"},
-    {"measure": "MLA decode, % of copy, batch >= 32, ctx >= 4k (min)",
-     "value": min((r["pct_of_copy"] for r in wide), default=float("nan")), "target": ">= 80 %"},
+                                                                   default=float("nan")), "target": ">= 45 %"},
+    {"measure": "MLA decode, 16 heads, % of copy, batch >= 32, ctx >= 4k (min)",
+     "value": min((r["pct_of_copy"] for r in few_heads), default=float("nan")), "target": ">= 80 %"},
+    {"measure": "MLA decode, 128 heads, TFLOP/s, batch >= 32, ctx >= 4k (min)",
+     "value": min((r["mla_tflops"] for r in many_heads), default=float("nan")), "target": ">= 250"},
 ]
-print_table(targets, title=f"measured vs the issue's targets ({'' if nb.on_gpu() else 'CPU run: targets are for an H100'})")
+where = torch.cuda.get_device_name() if nb.on_gpu() else "a CPU run: the targets are for an H100"
+print_table(targets, title=f"measured on {where}, beside the targets")
 
 # %% [markdown]
 # ## 4. Absorbed or naive? Prefill and decode
