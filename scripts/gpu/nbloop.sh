@@ -3,7 +3,10 @@
 #   OUT=/some/dir BUDGET_S=500 bash scripts/gpu/nbloop.sh 03 13 02
 # Each executed notebook is copied to $OUT as soon as it ends (also when it failed or ran out of time:
 # nbrun keeps the cells that ran), so a call cut short still brings back every finished one.
+# Pass COMMIT=<short hash of the tree sent>: the notebooks' headers record it ($MINILLM_COMMIT). Without it they
+# record what `git rev-parse` finds on the GPU machine, which need not be the tree that ran.
 set -uo pipefail
+[ -z "${COMMIT:-}" ] || export MINILLM_COMMIT=$COMMIT
 out=${OUT:?}; end=$(( $(date +%s) + ${BUDGET_S:-500} ))
 for n in "$@"; do
   nb=$(ls notebooks/"${n}"_*.ipynb 2>/dev/null | head -1)
