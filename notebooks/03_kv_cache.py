@@ -139,19 +139,22 @@ plt.show()
 
 # %% [markdown]
 # Read the two machines differently. On a CPU (the CI run) the picture is the textbook one:
-# recompute grows with $N$, the cached step stays flat. On the H100 both stay near 13–30 ms, with
-# noise, all the way to 8,000 tokens: a SmolLM2 step launches some 400 small kernels from Python on a
-# slow host CPU, and that — not the GPU's work — is the step's time. With chapter 04's FlashAttention
-# even recomputing 8,000 tokens (about $2 \times 135\text{M} \times 8000 \approx 2.2$ TFLOP, ~3 ms
-# of tensor-core time) hides under it, and the cached step has a few more launches (the cache write,
-# the split decode and its merge). The plot's labels name the costs that grow with $N$; on this
-# host they stay hidden below the launch floor until chapter 07 records each step into a CUDA graph.
-# Where the cache pays off here is end to end with a long prompt:
+# recompute grows with $N$, the cached step stays flat. On a GPU SmolLM2 is too small for it: each
+# step here launches its hundreds of small kernels one at a time from Python, and the host's
+# launching, not the GPU's work, sets the step's time. Both columns then stay in one flat band all
+# the way to 8,000 tokens, with row-to-row noise larger than any trend in $N$, and the cached step
+# even has a few more launches (the cache write, the split decode and its merge).
+# Chapter 03's text sets the stored run's numbers beside the engine's profile of a decode step. The
+# plot's labels name the costs that grow with $N$; on a GPU they stay hidden below the launch floor
+# until a whole step is replayed as one CUDA graph (chapter 07), which is what the engine does with
+# the cache end to end:
 #
 # ## 3. End to end, and the peer
 #
-# Greedy generation from a long prompt, minillm with and without the cache, and Hugging Face
-# `generate` with its own cache on the same prompt and dtype, in the same run.
+# Greedy generation from a long prompt: minillm's engine with the cache (each decode step replayed as
+# one CUDA graph), minillm with `enable_kv_cache = False` (chapter 02's loop, every kernel launched
+# from Python), and Hugging Face `generate` with its own cache, on the same prompt and dtype, in the
+# same run.
 
 # %%
 import transformers
