@@ -53,6 +53,7 @@ from .checks import FLOAT_DTYPES, INTERPRET, check_device, check_float_tensor, c
 from .flash_attn import dot
 from .flash_decode import sm_count
 from .w4a16_gemv import w4a16_gemv
+from .w4a16_swap import swap_supports, w4a16_swap
 from .wna16_dequant import dequant_matmul, nibble_to_f32
 
 DECODE_M = 16  # up to this many rows: the decode tiles (one row of M, split-K)
@@ -232,12 +233,15 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     """x [M, K] @ dequant(qweight)^T -> [M, N] in x's dtype, the int4 weight never dequantized in memory.
 
     qweight uint8 [N, K/2] (pack_int4), scales and mins [N, K/group_size]; split_k None chooses: up to
-    GEMV_M rows (0: none) the GEMV (w4a16_gemv.py, fp32 weights: W not rounded), above DECODE_M
-    rows the prefill path (wna16_dequant.py: the weight dequantized once, then cuBLAS), between them
-    these tiles; a given split_k always runs the tiles."""
+    GEMV_M rows (0: none) the GEMV (w4a16_gemv.py, fp32 weights: W not rounded); up to DECODE_M rows
+    the swapped tensor-core kernel (w4a16_swap.py) where it takes x (bf16/fp16, groups of 32k), else
+    these tiles; above DECODE_M rows the prefill path (wna16_dequant.py: the weight dequantized once,
+    then cuBLAS); a given split_k always runs the tiles."""
     _check(x, qweight, scales, mins, group_size, 4, strict=True, split_k=split_k)
     if split_k is None and x.shape[0] <= GEMV_M:
         return w4a16_gemv(x, qweight, scales, mins, group_size)
+    if split_k is None and x.shape[0] <= DECODE_M and swap_supports(x, group_size):
+        return w4a16_swap(x, qweight, scales, mins, group_size)
     if split_k is None and x.shape[0] > DECODE_M:
         return dequant_matmul(x, qweight, scales, mins, group_size, 4)
     return _launch(x, qweight, scales, mins, group_size, 4, split_k)

@@ -95,6 +95,14 @@ def _w4a16_gemv_kernel(
             xs += x
         acc += xf * s16[None, :, :] + xs[:, None, :] * bias[None, :, :]
     part = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N] this slice's sums, fp32
+    split_k_finish(part, Y, P, Counters, offs_m, offs_n, m_ok, n_ok, N, stride_ym, pid_n, split, M, SPLIT_K)
+
+
+@triton.jit
+def split_k_finish(part, Y, P, Counters, offs_m, offs_n, m_ok, n_ok, N, stride_ym, pid_n, split, M,
+                    SPLIT_K: tl.constexpr):
+    """part [BLOCK_M, BLOCK_N] fp32, one K slice's sums: stored as y (one slice), else written as the
+    slice's partial; the last slice of the N tile to arrive sums all of them in slice order."""
     y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     y_ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:
@@ -105,7 +113,7 @@ def _w4a16_gemv_kernel(
         tl.debug_barrier()  # every thread's partial is written before the counter moves (release)
         arrived = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel")  # slices done before this one
         if arrived == SPLIT_K - 1:  # the last slice of this tile: sum all of them, in slice order
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            total = tl.zeros(part.shape, dtype=tl.float32)
             for s in range(SPLIT_K):  # .cg: read L2, where the other SMs' partials are
                 total += tl.load(P + s * M * N + mn, mask=y_ok, other=0.0, cache_modifier=".cg")
             tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=y_ok)
@@ -115,7 +123,7 @@ def _w4a16_gemv_kernel(
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
-def _counters_for(device: torch.device, n: int) -> torch.Tensor:
+def split_k_counters(device: torch.device, n: int) -> torch.Tensor:
     """A zeroed int32 buffer of at least n counters on `device`, kept (every call leaves it zeroed)."""
     buf = _counters.get(device)
     if buf is None or buf.numel() < n:
@@ -157,7 +165,7 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     qw32 = qweight.view(torch.int32) if qweight.stride(0) % 4 == 0 else qweight.contiguous().view(torch.int32)
     n_tiles = triton.cdiv(N, bn)
     partials = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-    counters = y if split == 1 else _counters_for(x.device, n_tiles)
+    counters = y if split == 1 else split_k_counters(x.device, n_tiles)
     _w4a16_gemv_kernel[(n_tiles, split)](
         x, qw32, scales, mins, y, partials, counters,
         M, N, K, group_size, k_per_split,

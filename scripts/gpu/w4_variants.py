@@ -145,7 +145,7 @@ def run(kind, x, qweight, scales, mins, G, bn, split, warps, stages, gpt=1, magi
     split = triton.cdiv(n_groups, gps)
     n_tiles = triton.cdiv(N, bn)
     partials = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-    counters = y if split == 1 else V._counters_for(x.device, n_tiles)
+    counters = y if split == 1 else V.split_k_counters(x.device, n_tiles)
     common = (y, partials, counters, M, N, gps, n_groups, x.stride(0))
     if kind == "group":
         qw = qweight.view(torch.int32)

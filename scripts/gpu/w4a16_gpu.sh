@@ -20,7 +20,7 @@ has() { [[ " $PARTS " == *" $1 "* ]]; }
   echo "commit ${MINILLM_COMMIT:-?}"; python -c "import torch, triton; print(torch.__version__, triton.__version__)"; } \
   > "$LOGS/env.txt" 2>&1
 
-has tests && timeout 150 python -m pytest -q -p no:cacheprovider -rs tests/test_kernels_w4a16_gemv.py \
+has tests && timeout 150 python -m pytest -q -p no:cacheprovider -rs tests/test_kernels_w4a16_gemv.py tests/test_kernels_w4a16_swap.py \
   "tests/test_kernels_w4a16.py::test_llama3_shapes_on_gpu" "tests/test_kernels_w4a16.py::test_w4a16_matches_dequantized_matmul" \
   > "$LOGS/tests.log" 2>&1; echo "tests rc=$?" >> "$LOGS/tests.log"
 
@@ -38,6 +38,7 @@ done
 cat > /tmp/w4a16_ncu.py <<'EOF'
 import torch
 from minillm.kernels.w4a16_gemv import w4a16_gemv
+from minillm.kernels.w4a16_swap import w4a16_swap
 for N, K in ((4096, 4096), (28672, 4096)):
     qw = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device="cuda")
     s = torch.rand(N, K // 128, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -45,8 +46,9 @@ for N, K in ((4096, 4096), (28672, 4096)):
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
         w4a16_gemv(x, qw, s, m, 128)
+        w4a16_swap(x, qw, s, m, 128)
 torch.cuda.synchronize()
 EOF
-has ncu && timeout 30 ncu -k regex:w4a16_gemv --launch-skip 2 --launch-count 4 --metrics \
+has ncu && timeout 30 ncu -k regex:'w4a16_(gemv|swap)' --launch-skip 2 --launch-count 8 --metrics \
   gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active \
   python /tmp/w4a16_ncu.py > "$LOGS/ncu.log" 2>&1; echo "ncu rc=$?" >> "$LOGS/ncu.log"

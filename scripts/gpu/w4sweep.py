@@ -3,7 +3,7 @@
 
 Per shape and M: cuBLAS bf16 (F.linear), minillm's int4 g128 as w4a16_gemm runs it (int4_us: the GEMV
 up to w4a16.GEMV_M rows, the tl.dot tiles above), the tiles forced (int4_tiles_us) and the GEMV
-(int4_gemv_us, and without split-K) at M <= 4, W8A16, and torch's own int4 kernel
+(int4_gemv_us, and without split-K) at M <= 4, the swapped tensor-core kernel (int4_swap_us) at M <= 16, W8A16, and torch's own int4 kernel
 (_weight_int4pack_mm, tinygemm) where it runs. Each time is the median of
 7 replays of a CUDA graph of many calls, timed with device events; every call reads a different copy
 of the weights (256 MB or more of each format in rotation, 5x the L2), so nothing is served from L2.
@@ -28,6 +28,7 @@ sys.path.insert(0, ".")  # the repo root: its minillm, where no install is
 from minillm.hw import ceilings
 from minillm.kernels import w4a16 as W
 from minillm.kernels import w4a16_gemv as V
+from minillm.kernels import w4a16_swap as SW
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 G = 128
@@ -106,6 +107,8 @@ def main():
             row["bf16_us"] = time_us([lambda w=w: F.linear(x, w) for w in w16])
             row["int4_us"] = time_us([lambda w=w: W.w4a16_gemm(x, *w, G) for w in w4])
             row["int8_us"] = time_us([lambda w=w: W.w8a16_gemm(x, *w) for w in w8])
+            if M <= SW.MAX_ROWS:  # the swapped tensor-core kernel alone (w4a16_gemm runs it at decode sizes)
+                row["int4_swap_us"] = time_us([lambda w=w: SW.w4a16_swap(x, *w, G) for w in w4])
             if M <= V.MAX_ROWS:  # the two decode kernels apart, and the GEMV without split-K
                 split = W.choose_tiles(M, N, K, G, x.dtype, x.device, None)[3]
                 row["int4_tiles_us"] = time_us([lambda w=w: W.w4a16_gemm(x, *w, G, split_k=split) for w in w4])
