@@ -131,10 +131,12 @@ def profile_decode_step(engine, batch_size: int, *, steps: int = 10, warmup: int
     gpu = device.type == "cuda"
     rng = random.Random(seed)
     vocab = engine.model.config.vocab_size
-    # Prompts are prefilled max_num_batched_tokens at a time, and a request decodes from the step after
-    # its prompt is in, so the first requests are ahead of the last by up to `staggered` tokens: each
-    # gets room for those, the warm-up and three measured passes, so nobody finishes inside one.
-    staggered = -(-batch_size * prompt_len // engine.config.max_num_batched_tokens) + 1
+    # Prompts are prefilled in chunks, and a request decodes from the step after its prompt is in, so
+    # the first requests are ahead of the last by as many tokens as the prefill takes steps. A step's
+    # budget goes to the decoding requests first (up to batch_size - 1 of them), the rest to prompt
+    # chunks: each request gets room for that many steps, the warm-up and three measured passes.
+    per_step = max(1, engine.config.max_num_batched_tokens - batch_size + 1)  # prompt tokens a step, at least
+    staggered = -(-batch_size * prompt_len // per_step) + 1
     new = staggered + warmup + 3 * steps + 4
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     ids = [f"profile-{i}" for i in range(batch_size)]
