@@ -209,3 +209,27 @@ def test_profile_decode_step_measures_the_whole_batch_when_prefill_takes_many_st
     prof = serving.profile_decode_step(engine, 8, steps=2, warmup=1, prompt_len=16)
     assert prof["batch_size"] == 8 and prof["wall_ms"] > 0
     assert not engine.has_unfinished_requests()
+
+
+def test_profile_decode_step_steps_as_generate_does_unless_streaming():
+    """By default the profile takes step() as LLM.generate and the engine core do (finished requests
+    only); streaming=True takes it as a streaming caller (every request's output each step)."""
+    from minillm.bench.serving_setup import NoTextTokenizer
+    from minillm.loader import load_model
+
+    model, _, _ = load_model(TINY, load_format="dummy")
+    engine = LLMEngine(model, NoTextTokenizer(), [], EngineConfig(block_size=4, num_gpu_blocks=64), progress=False)
+    seen, step = [], engine.step
+
+    def recording_step(unfinished_outputs=True):
+        seen.append(unfinished_outputs)
+        return step(unfinished_outputs=unfinished_outputs)
+
+    engine.step = recording_step
+    prof = serving.profile_decode_step(engine, 2, steps=2, warmup=1, prompt_len=3)
+    assert prof["streaming"] is False and seen and not any(seen[:-1])  # the abort's drain may stream
+    seen.clear()
+    assert serving.profile_decode_step(engine, 2, steps=2, warmup=1, prompt_len=3, streaming=True)["streaming"]
+    assert True in seen
+    with pytest.raises(TypeError, match="streaming must be a bool"):
+        serving.profile_decode_step(engine, 2, streaming="yes")

@@ -24,7 +24,7 @@ COLS = ["async", "batch_size", "wall_ms", "gpu_kernel_ms", "gpu_busy_pct", "gap_
 
 
 def run(model=None, *, batch_sizes: str | list[int] = "1,64,256", steps: int = 10, overlap: str = "both",
-        prompt_len: int = 32, device=None, json_path=None, progress: bool = True, **engine_args) -> dict:
+        prompt_len: int = 32, streaming: bool = False, device=None, json_path=None, progress: bool = True, **engine_args) -> dict:
     device = default_device() if device is None else torch.device(device)
     sizes = [int(b) for b in batch_sizes.split(",")] if isinstance(batch_sizes, str) else list(batch_sizes)
     for b in sizes:
@@ -35,14 +35,15 @@ def run(model=None, *, batch_sizes: str | list[int] = "1,64,256", steps: int = 1
     if settings is None:
         raise ValueError(f"overlap must be 'both', 'on' or 'off', not {overlap!r}")
     models = load_models(model, device)
-    info = header(f"profile: one decode step at batch sizes {sizes}, overlap scheduling {overlap}; "
+    info = header(f"profile: one decode step at batch sizes {sizes}, overlap scheduling {overlap}, "
+                  f"{'every request' if streaming else 'finished requests'} returned each step; "
                   f"{models.label}, {models.dtype_name}")
     rows, runs = [], []
     for on in settings:
         args = {"max_num_seqs": max(sizes), **engine_args, "async_scheduling": on}
         engine = _engine(models, _engine_config(args), progress)
         for b in sizes:
-            prof = profile_decode_step(engine, b, steps=steps, prompt_len=prompt_len)
+            prof = profile_decode_step(engine, b, steps=steps, prompt_len=prompt_len, streaming=streaming)
             runs.append(prof)
             rows.append({"async": "on" if on else "off", **{k: prof[k] for k in COLS[1:]}})
             for k in prof["top_kernels"]:
@@ -70,6 +71,9 @@ def add_arguments(parser, workload: str) -> None:
                         "(and block-table width) the decode steps run at (default 32)")
     parser.add_argument("--overlap", default="both", choices=["both", "on", "off"],
                         help="overlap scheduling (async_scheduling) settings to run")
+    parser.add_argument("--streaming", action="store_true", help="step() as a streaming caller "
+                        "takes it: every running request's output each step (default: the finished ones, as "
+                        "LLM.generate and the engine core take it)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH")

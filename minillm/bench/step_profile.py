@@ -20,6 +20,11 @@ runs `batch_size` requests into steady-state decode on an idle engine and measur
                      for the previous step's tokens). Measured in a separate pass with timers around
                      each phase, which add a little host time of their own.
 
+Each step is taken as `LLM.generate` and the engine core take it, `step(unfinished_outputs=False)`: only
+finished requests come back as RequestOutputs. `streaming=True` profiles `step()` as a streaming caller
+takes it instead, one RequestOutput (its text detokenized so far) per running request per step: at batch
+256 on a GPU that bookkeeping was the largest part of "other" (chapters/bench/h200-2026-11-26/).
+
 Each figure is a median over `steps` steps. The requests are aborted at the end, leaving the engine idle.
 """
 
@@ -41,18 +46,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed_steps(engine, n: int) -> list[float]:
+def _timed_steps(engine, n: int, streaming: bool = False) -> list[float]:
     """Seconds between consecutive step() returns: what a caller that steps in a loop sees."""
     out, t0 = [], time.perf_counter()
     for _ in range(n):
-        engine.step()
+        engine.step(unfinished_outputs=streaming)
         t1 = time.perf_counter()
         out.append(t1 - t0)
         t0 = t1
     return out
 
 
-def _kernels(engine, n: int, top: int) -> tuple[float, float, list[dict], list[dict]]:
+def _kernels(engine, n: int, top: int, streaming: bool) -> tuple[float, float, list[dict], list[dict]]:
     """Kernel (and memcpy/memset) seconds and launches per step over n steps, by torch.profiler; the top
     kernels by time, and the host-side operations (torch ops, CUDA runtime calls) by their own CPU time."""
     from torch.autograd import DeviceType
@@ -62,7 +67,7 @@ def _kernels(engine, n: int, top: int) -> tuple[float, float, list[dict], list[d
         warnings.simplefilter("ignore")
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(n):
-                engine.step()
+                engine.step(unfinished_outputs=streaming)
             torch.cuda.synchronize()
         averages = prof.key_averages()
     rows, host = [], []
@@ -80,7 +85,7 @@ def _kernels(engine, n: int, top: int) -> tuple[float, float, list[dict], list[d
     return total_s, launches, rows[:top], host[:top]
 
 
-def _host_split(engine, n: int) -> dict:
+def _host_split(engine, n: int, streaming: bool) -> dict:
     """Per-phase host seconds per step, by wrapping the phases' methods on these instances for n steps."""
     phases = {"schedule": (engine.scheduler, "schedule"), "prepare": (engine, "_prepare"),
               "launch": (engine.executor, "execute_model"), "sample": (engine, "_sample"),
@@ -105,7 +110,7 @@ def _host_split(engine, n: int) -> dict:
         for i in range(n):
             step[0] = i
             t0 = time.perf_counter()
-            engine.step()
+            engine.step(unfinished_outputs=streaming)
             walls.append(time.perf_counter() - t0)
     finally:
         for owner, name in phases.values():
@@ -119,10 +124,12 @@ def _host_split(engine, n: int) -> dict:
 
 
 def profile_decode_step(engine, batch_size: int, *, steps: int = 10, warmup: int = 3, prompt_len: int = 32,
-                        seed: int = 0, top: int = 8) -> dict:
+                        seed: int = 0, top: int = 8, streaming: bool = False) -> dict:
     """Where one decode step of `batch_size` running requests spends its time (see the module docstring)."""
     for name, value in (("batch_size", batch_size), ("steps", steps), ("prompt_len", prompt_len), ("top", top)):
         check_int(name, value)
+    if not isinstance(streaming, bool):
+        raise TypeError(f"streaming must be a bool, got {type(streaming).__name__}")
     if batch_size > engine.config.max_num_seqs:
         raise ValueError(f"batch_size ({batch_size}) exceeds the engine's max_num_seqs ({engine.config.max_num_seqs})")
     if engine.has_unfinished_requests():
@@ -145,12 +152,12 @@ def profile_decode_step(engine, batch_size: int, *, steps: int = 10, warmup: int
     try:
         seqs = [engine.groups[rid].seqs[0] for rid in ids]
         while not all(s.output_ids for s in seqs):  # prefills (maybe chunked) until everyone decodes
-            engine.step()
-        _timed_steps(engine, warmup)
+            engine.step(unfinished_outputs=False)
+        _timed_steps(engine, warmup, streaming)
         preempted = engine.stats["num_preemptions"]
-        wall = statistics.median(_timed_steps(engine, steps))
-        kernel_s, launches, top_rows, host_ops = _kernels(engine, steps, top) if gpu else (None, None, [], [])
-        host = _host_split(engine, steps)
+        wall = statistics.median(_timed_steps(engine, steps, streaming))
+        kernel_s, launches, top_rows, host_ops = _kernels(engine, steps, top, streaming) if gpu else (None, None, [], [])
+        host = _host_split(engine, steps, streaming)
         if engine.stats["num_preemptions"] != preempted:
             raise RuntimeError("requests were preempted while profiling: give the engine more KV blocks")
         if any(s.finished for s in seqs):  # the measured steps ran a smaller batch than batch_size
@@ -159,7 +166,7 @@ def profile_decode_step(engine, batch_size: int, *, steps: int = 10, warmup: int
         layers = getattr(engine.model.config, "num_layers", None)  # minillm ModelConfig's name
         return {"device": str(device), "batch_size": batch_size, "steps": steps,
                 "context_len": prompt_len + warmup + steps, "cuda_graphs": engine.runner.use_cuda_graphs,
-                "async_scheduling": engine.async_scheduling, "wall_ms": 1e3 * wall,
+                "async_scheduling": engine.async_scheduling, "streaming": streaming, "wall_ms": 1e3 * wall,
                 "gpu_kernel_ms": 1e3 * kernel_s if gpu else None,
                 "gpu_busy_pct": 100 * kernel_s / wall if gpu else None,
                 "gap_ms": 1e3 * (wall - kernel_s) if gpu else None,
