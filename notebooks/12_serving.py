@@ -81,6 +81,12 @@ FLAGS += ["--engine-core", "process"]  # the default, named: the engine core in 
 SERVER_ENV = {**os.environ, **({} if GPU else {"OMP_NUM_THREADS": "1"})}
 
 
+def save_json(name: str, rows) -> None:
+    """With $MINILLM_BENCH_OUT set (scripts/gpu/nb12.sh), the measured rows go there as JSON too."""
+    if os.environ.get("MINILLM_BENCH_OUT"):
+        Path(os.environ["MINILLM_BENCH_OUT"], name).write_text(json.dumps(rows, indent=1, default=str))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -283,7 +289,7 @@ def n_requests(rate: float) -> int:
     return 384 if math.isinf(rate) else min(384, max(48, int(rate * 10)))
 
 
-sweep, workloads, t_sweep = [], {}, time.perf_counter()
+sweep, summaries, workloads, t_sweep = [], [], {}, time.perf_counter()
 for rate in RATES:
     if time.perf_counter() - t_sweep > SWEEP_BUDGET_S:
         print(f"(rate {rate} and above skipped: the sweep has used {SWEEP_BUDGET_S} s)")
@@ -295,11 +301,13 @@ for rate in RATES:
     s = summarize(results, duration, SLO)
     assert s["failed"] == 0 and s["total_output_tokens"] == sum(q.max_tokens for q in reqs)
     workloads[rate] = (reqs, s)
+    summaries.append({"request_rate": rate, **s})
     sweep.append({"rate": rate, "requests": s["completed"], "req/s": s["request_throughput"],
                   "out tok/s": s["output_throughput"], "TTFT p50": s["median_ttft_ms"], "TTFT p99": s["p99_ttft_ms"],
                   "TPOT p50": s["median_tpot_ms"], "TPOT p99": s["p99_tpot_ms"], "ITL p99": s["p99_itl_ms"],
                   "goodput": s["goodput"]})
 print_table(sweep, title=f"serving sweep (ms; goodput in req/s under TTFT <= {SLO[0]:g} ms and TPOT <= {SLO[1]:g} ms)")
+save_json("serve-sweep.json", summaries)
 metrics = http.get("/metrics").text
 print("\n".join(line for line in metrics.splitlines()
                 if line.startswith(("minillm_requests_total", "minillm_num_preemptions", "minillm_kv_cache_total"))))
@@ -474,6 +482,10 @@ print_table([{"/metrics": label, "running": m[2], "waiting": m[3], "KV blocks us
                               ("after", (0, after["minillm_kv_cache_used_blocks"], after["minillm_num_requests_running"],
                                          after["minillm_num_requests_waiting"]))]],
             title=f"the KV pool through /metrics ({int(after['minillm_kv_cache_total_blocks'])} blocks in all)")
+save_json("serve-streams.json", dict(streams=N_STREAMS, left=len(left), failed=len(failed), streamed_tokens=streamed_tokens,
+                                     usage_tokens=usage_tokens, unstreamed_tokens=whole_tokens, lost_tokens=lost,
+                                     equal_answers=same, seconds=streams_s, metrics_before=before, metrics_after=after,
+                                     peak=dict(zip(["t", "used_blocks", "running", "waiting"], peak))))
 assert not failed and lost == 0 and streamed_tokens == usage_tokens == whole_tokens
 assert int(after.get(ABORTS, 0) - before.get(ABORTS, 0)) == len(left) == N_STREAMS // 4
 assert peak[1] > 0 and after["minillm_kv_cache_used_blocks"] == 0  # every block back in the pool
@@ -532,13 +544,14 @@ for core in CORES:
     (WORK / core).mkdir(exist_ok=True)  # the server's log goes there
     overhead[core] = measure(MODEL, "cuda" if GPU else "cpu", N_SAME, IN_LEN, OUT_LEN, WORK / core,
                              flags=["--engine-core", core])
+save_json("serve-overhead.json", [{"engine_core": core, **r} for core, r in overhead.items()])
 per_k = {core: 1e6 / r["output_tokens"] for core, r in overhead.items()}  # CPU seconds -> ms per 1000 output tokens
-print_table([{"engine core": core, "requests": r["requests"], "output tokens": r["output_tokens"],
-              "served tok/s": r["served_tps"], "offline tok/s": r["offline_tps"], "served / offline %": 100 * r["ratio"],
-              "steps served": r["served_steps"], "steps offline": r["offline_steps"],
-              "tok/step served": r["output_tokens"] / r["served_steps"],
-              "tok/step offline": r["output_tokens"] / r["offline_steps"]} for core, r in overhead.items()],
-            title="the same requests at rate inf, served and offline")
+print_table([{"engine core": core, "out tok/s served": r["served_tps"], "offline": r["offline_tps"],
+              "served / offline %": 100 * r["ratio"], "engine steps served / offline": f"{r['served_steps']:.0f} / "
+              f"{r['offline_steps']}", "tok/step served / offline": f"{r['output_tokens'] / r['served_steps']:.1f} / "
+              f"{r['output_tokens'] / r['offline_steps']:.1f}"} for core, r in overhead.items()],
+            title=f"the same {N_SAME} requests ({next(iter(overhead.values()))['output_tokens']:,} output tokens) at "
+            "rate inf, served and offline")
 print_table([{"engine core": core, "API loop": per_k[core] * r["loop_cpu_s"],
               "API other threads": per_k[core] * r["other_cpu_s"], "core process": per_k[core] * r["core_cpu_s"],
               "client": per_k[core] * r["client_cpu_s"], "offline": per_k[core] * r["offline_cpu_s"]}
@@ -548,7 +561,7 @@ for core, r in overhead.items():
           f"{r['served_steps'] / r['offline_steps']:.2f} x offline's (target: <= 1.25 x)")
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(12, 3.6))
+fig, axes = plt.subplots(1, 3, figsize=(15, 3.6), width_ratios=[1, 1, 1.3])
 names = list(overhead)
 axes[0].bar([i - 0.2 for i in range(len(names))], [overhead[c]["served_tps"] for c in names], 0.4, label="served")
 axes[0].bar([i + 0.2 for i in range(len(names))], [overhead[c]["offline_tps"] for c in names], 0.4, label="offline")
@@ -559,19 +572,23 @@ axes[0].set_xticks(range(len(names)), [f"engine core: {c}" for c in names])
 axes[0].set_ylabel("output tokens / s")
 axes[0].set_title("the same requests, served and offline")
 axes[0].legend(fontsize=8)
+steps = [overhead[c]["served_steps"] for c in names] + [overhead[names[0]]["offline_steps"]]
+axes[1].bar([f"served ({c})" for c in names] + ["offline"], steps, color=["tab:blue"] * len(names) + ["tab:orange"])
+axes[1].set_ylabel("engine steps")
+axes[1].set_title("engine steps for the same tokens")
 parts = [("loop_cpu_s", "API loop"), ("other_cpu_s", "API other threads"), ("core_cpu_s", "core process"),
          ("client_cpu_s", "client")]
 bars = [f"served ({c})" for c in names] + ["offline"]
 bottom = [0.0] * len(bars)
 for key, label in parts:
     heights = [per_k[c] * overhead[c][key] for c in names] + [0.0]
-    axes[1].bar(bars, heights, bottom=bottom, label=label)
+    axes[2].bar(bars, heights, bottom=bottom, label=label)
     bottom = [b + h for b, h in zip(bottom, heights)]
-axes[1].bar(bars, [0.0] * len(names) + [per_k[names[0]] * overhead[names[0]]["offline_cpu_s"]], bottom=bottom,
+axes[2].bar(bars, [0.0] * len(names) + [per_k[names[0]] * overhead[names[0]]["offline_cpu_s"]], bottom=bottom,
             label="offline LLM.generate")
-axes[1].set_ylabel("CPU ms per 1000 output tokens")
-axes[1].set_title("where the CPU goes, by process")
-axes[1].legend(fontsize=8)
+axes[2].set_ylabel("CPU ms per 1000 output tokens")
+axes[2].set_title("where the CPU goes, by process")
+axes[2].legend(fontsize=8)
 plt.tight_layout()
 plt.show()
 print(f"notebook ran in {time.perf_counter() - T0:.0f} s")
