@@ -194,3 +194,18 @@ def test_profile_decode_step_on_cpu():
     assert not engine.has_unfinished_requests() and engine.block_manager.num_free_blocks == 63  # left idle
     with pytest.raises(ValueError, match="exceeds the engine's max_num_seqs"):
         serving.profile_decode_step(engine, 1000)
+
+
+def test_profile_decode_step_measures_the_whole_batch_when_prefill_takes_many_steps():
+    """8 prompts of 16 tokens at 16 tokens a step take 8 steps to prefill: the first requests decode
+    meanwhile and must not finish before the measured passes end (they did, with room for the passes
+    alone: the measured steps then ran a shrinking batch)."""
+    from minillm.bench.serving_setup import NoTextTokenizer
+    from minillm.loader import load_model
+
+    model, _, _ = load_model(TINY, load_format="dummy")
+    config = EngineConfig(block_size=4, num_gpu_blocks=128, max_num_batched_tokens=16, max_num_seqs=8)
+    engine = LLMEngine(model, NoTextTokenizer(), [], config, progress=False)
+    prof = serving.profile_decode_step(engine, 8, steps=2, warmup=1, prompt_len=16)
+    assert prof["batch_size"] == 8 and prof["wall_ms"] > 0
+    assert not engine.has_unfinished_requests()

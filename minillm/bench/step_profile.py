@@ -131,7 +131,13 @@ def profile_decode_step(engine, batch_size: int, *, steps: int = 10, warmup: int
     gpu = device.type == "cuda"
     rng = random.Random(seed)
     vocab = engine.model.config.vocab_size
-    new = warmup + 3 * steps + 4  # three measured passes, and room so nobody finishes inside one
+    # Prompts are prefilled in chunks, and a request decodes from the step after its prompt is in, so
+    # the first requests are ahead of the last by as many tokens as the prefill takes steps. A step's
+    # budget goes to the decoding requests first (up to batch_size - 1 of them), the rest to prompt
+    # chunks: each request gets room for that many steps, the warm-up and three measured passes.
+    per_step = max(1, engine.config.max_num_batched_tokens - batch_size + 1)  # prompt tokens a step, at least
+    staggered = -(-batch_size * prompt_len // per_step) + 1
+    new = staggered + warmup + 3 * steps + 4
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     ids = [f"profile-{i}" for i in range(batch_size)]
     for rid in ids:
@@ -147,6 +153,9 @@ def profile_decode_step(engine, batch_size: int, *, steps: int = 10, warmup: int
         host = _host_split(engine, steps)
         if engine.stats["num_preemptions"] != preempted:
             raise RuntimeError("requests were preempted while profiling: give the engine more KV blocks")
+        if any(s.finished for s in seqs):  # the measured steps ran a smaller batch than batch_size
+            raise RuntimeError("a request finished while profiling: the measured steps did not all run "
+                               f"{batch_size} sequences")
         layers = getattr(engine.model.config, "num_layers", None)  # minillm ModelConfig's name
         return {"device": str(device), "batch_size": batch_size, "steps": steps,
                 "context_len": prompt_len + warmup + steps, "cuda_graphs": engine.runner.use_cuda_graphs,
