@@ -61,7 +61,8 @@ CHAPTERS: tuple[Chapter, ...] = (
              "minillm/bench/spec.py")),
     Chapter("10", "MLA and MoE", "10-mla-and-moe.md", "10_mla_moe", "10_mla_moe",
             ("minillm/layers/mla.py", "minillm/layers/moe.py", "kernels/mla_decode.py", "kernels/fused_moe.py",
-             "kernels/moe_configs/",
+             *(f"kernels/moe_configs/E={e},N={n},device_name={gpu},dtype=bfloat16.json"  # the tuned tiles
+               for e, n in ((64, 1408), (128, 768)) for gpu in ("NVIDIA_H100_80GB_HBM3", "NVIDIA_H200")),
              "minillm/models/mixtral.py", "minillm/models/qwen3_moe.py", "minillm/models/deepseek_v2.py",
              "minillm/bench/moe.py")),
     Chapter("11", "Tensor parallelism", "11-tensor-parallelism.md", "11_tensor_parallelism", "11_tensor_parallelism",

@@ -1,14 +1,26 @@
-"""Where a bs-256 decode step's 'other' host time goes: cProfile over steady-state steps (overlap on and off),
-plus a torch.profiler chrome trace of 5 steps (overlap on). Run with minillm installed, on the GPU."""
-import cProfile, io, json, pstats, sys, time, os
-import torch
-from minillm.bench.serving import _engine, _engine_config
-from minillm.bench.serving_setup import load_models, free_engine
-from minillm.bench.step_profile import profile_decode_step, _timed_steps
-from minillm.sampling import SamplingParams
+"""Where a batch-256 decode step's host time goes (chapter 13): cProfile over steady-state steps (overlap on and off),
+plus a torch.profiler chrome trace of 5 steps (overlap on).  python scripts/gpu/host_profile.py OUT_DIR (minillm installed)."""
+import cProfile
+import io
+import os
+import pstats
 import random
+import sys
+import time
+
+import torch
+
+from minillm.bench.serving import _engine, _engine_config
+from minillm.bench.serving_setup import free_engine, load_models
+from minillm.bench.step_profile import _timed_steps
+from minillm.sampling import SamplingParams
+
 out = sys.argv[1]
-dev = torch.device(os.environ.get("DEV","cuda")); B = int(os.environ.get("B","256"))
+dev = torch.device(os.environ.get("DEV", "cuda"))  # DEV=cpu B=4: a quick check off the GPU
+B = int(os.environ.get("B", "256"))
+# STREAMING=1: step() returns every running request's output each step (what the e516dd1 logs in
+# chapters/bench/h200-2026-11-26/ measured); the default steps as LLM.generate does
+STREAMING = os.environ.get("STREAMING") == "1"
 models = load_models("smollm2-135m-dummy", dev)
 for on in (True, False):
     engine = _engine(models, _engine_config({"max_num_seqs": B, "async_scheduling": on}), False)
@@ -19,26 +31,29 @@ for on in (True, False):
         engine.add_request(rid, {"prompt_token_ids": [rng.randrange(engine.model.config.vocab_size) for _ in range(32)]}, p)
     seqs = [engine.groups[r].seqs[0] for r in ids]
     while not all(s.output_ids for s in seqs):
-        engine.step()
-    _timed_steps(engine, 10)
-    walls = _timed_steps(engine, 30)
+        engine.step(unfinished_outputs=STREAMING)
+    _timed_steps(engine, 10, STREAMING)
+    walls = _timed_steps(engine, 30, STREAMING)
     print(f"overlap={on} median wall {1e3*sorted(walls)[15]:.3f} ms", flush=True)
     pr = cProfile.Profile()
-    t0 = time.perf_counter(); pr.enable()
+    t0 = time.perf_counter()
+    pr.enable()
     for _ in range(50):
-        engine.step()
-    pr.disable(); dt = time.perf_counter() - t0
+        engine.step(unfinished_outputs=STREAMING)
+    pr.disable()
+    dt = time.perf_counter() - t0
     print(f"overlap={on} cProfile'd: {1e3*dt/50:.3f} ms/step", flush=True)
     for key in ("tottime", "cumulative"):
-        s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats(key).print_stats(45)
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats(key).print_stats(45)
         txt = s.getvalue()
         print(txt[:9000])
         open(f"{out}/other256-{'on' if on else 'off'}-{key}.txt", "w").write(txt)
     if on and dev.type == "cuda":
-        from torch.profiler import profile, ProfilerActivity
+        from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=False) as prof:
             for _ in range(5):
-                engine.step()
+                engine.step(unfinished_outputs=STREAMING)
             torch.cuda.synchronize()
         prof.export_chrome_trace(f"{out}/trace-bs256-on.json")
         os.system(f"gzip -f {out}/trace-bs256-on.json")
