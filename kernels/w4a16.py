@@ -23,16 +23,19 @@ The tile loop is an ordinary tiled GEMM (fp32 accumulator, tl.dot) whose B tile 
     scale multiplies the finished sum, once per output instead of once per weight. With group scales,
     each K tile (inside one group) gets its own small dot, scaled as it joins the accumulator.
 
-Decode has M <= 16 rows. w4a16_gemv.py is a GEMV for up to 4 rows (no tl.dot, the zero point folded,
-split-K summed in the kernel); it measured no faster than these tiles at M = 1 and slower at M = 4
-(chapter 08), so w4a16_gemm runs it only up to GEMV_M rows, 0 for now: one switch to flip once it
-wins, and until then every M <= 16 gets the tiles' summation order. For the tiles, one row
-across N is too few programs to keep the GPU's loads in flight (4096 columns / 64 = 64 programs for
-132 SMs): split-K cuts K into slices, each program sums one slice into an fp32 partial, and a sum over
-the slices finishes (the same rule as FlashDecoding's split-KV, flash_decode.py). Prefill (M > 16) is
-compute-bound: there the weight is dequantized once and cuBLAS multiplies (wna16_dequant.py); the
-tiles still run any M when split_k is given. The tiles depend on M only through that one switch, so
-every M <= 16 gets the same summation order: a row's result does not depend on its batch.
+Decode has M <= 16 rows. There w4a16_gemm runs w4a16_swap.py (bf16/fp16 x, groups of 32k): the
+same tensor-core product with the operands swapped (y^T = W x^T), so the dequantized weight is the
+MMA's register operand instead of a round trip through shared memory; its tiles and split-K depend on
+N and K only, so a row's result does not depend on its batch. w4a16_gemv.py (no tl.dot, the zero point
+folded, split-K summed in the kernel) runs only up to GEMV_M rows, 0 for now: it measured slower than
+the swap kernel (chapter 08). These tiles take the rest: fp32 activations on a GPU (IEEE dots, for
+checking, not speed), groups the swap kernel does not take, and M > 16 when split_k is given. For
+them, one row across N is too few programs to keep the GPU's loads in flight (4096 columns / 64 = 64
+programs for 132 SMs): split-K cuts K into slices, each program sums one slice into an fp32 partial,
+and a sum over the slices finishes (the same rule as FlashDecoding's split-KV, flash_decode.py).
+Prefill (M > 16) is compute-bound: there the weight is dequantized once and cuBLAS multiplies
+(wna16_dequant.py). The tiles depend on M only through DECODE_M, so every M <= 16 gets the same
+summation order here too.
 
 The references beside the kernel dequantize the whole weight and multiply (the oracle of the tests,
 and what minillm runs on a CPU). Measured speeds, and why the tiles miss at M = 1: chapter 08 and

@@ -33,9 +33,10 @@ Every row runs the same code, so a row's result does not depend on the other row
 rounds once, to x's dtype, at the store: the reference `w4a16_gemv_ref` is the fp32 product with the
 fp32-dequantized weight.
 
-Measured on an H100 (chapter 08, chapters/bench/): as fast as w4a16.py's tiles at M = 1, not faster,
-and slower at M = 4; Nsight Compute finds it neither DRAM-bound nor issue-bound. So w4a16_gemm does
-not run it by default (w4a16.GEMV_M = 0); it stays here, tested, as the starting point.
+It measured slower than w4a16_swap.py's tensor-core kernel at M = 1 and 4, and Nsight Compute finds it
+neither DRAM-bound nor issue-bound (chapter 08 and chapters/bench/ hold the dated runs). So w4a16_gemm
+does not run it by default (w4a16.GEMV_M = 0); it stays here, tested, as the starting point, and its
+split_k_finish is the swap kernel's too.
 """
 
 from __future__ import annotations
