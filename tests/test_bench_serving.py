@@ -233,3 +233,25 @@ def test_profile_decode_step_steps_as_generate_does_unless_streaming():
     assert True in seen
     with pytest.raises(TypeError, match="streaming must be a bool"):
         serving.profile_decode_step(engine, 2, streaming="yes")
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_decode_floor_reads_top_k_of_the_routed_experts(seed, mla):
+    """A batch-1 step of a mixture of experts reads top_k of E routed experts per MoE layer; the
+    shared experts, the router and the dense layers in full (the floor counted every expert before)."""
+    import random
+
+    from test_models_moe import random_moe_model
+
+    from minillm.bench.serving_setup import load_models
+
+    _model, config = random_moe_model(random.Random(seed), mla=mla)
+    models = load_models(config, torch.device("cpu"), torch.float32)
+    E, k, H, Im = config.moe.num_experts, config.moe.num_experts_per_tok, config.hidden_size, \
+        config.moe.moe_intermediate_size
+    moe_layers = config.num_layers - len(config.moe.dense_layers)
+    everything = sum(p.numel() for p in models.model.parameters()) * 4  # fp32, tied or not as built
+    if not config.tie_word_embeddings:
+        everything -= (config.vocab_size - 1) * H * 4  # one row of the input embedding
+    skipped = moe_layers * (E - k) * (2 * Im * H + H * Im) * 4  # w13 [2I, H] and w2 [H, I] of each unused expert
+    assert models.weight_bytes() == everything - skipped

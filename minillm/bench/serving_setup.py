@@ -18,6 +18,7 @@ import torch
 from ..cache import bytes_per_token, kv_cache_spec
 from ..checks import check_int
 from ..config import PRESETS, ModelConfig, preset
+from ..layers.moe import SparseMoeBlock
 
 DUMMY = "-dummy"
 
@@ -47,12 +48,18 @@ class ServingModels:
         return str(self.dtype).removeprefix("torch.")
 
     def weight_bytes(self) -> int:
-        """Bytes a decode step must read of the weights: every parameter once (a tied embedding counts
-        once, as the LM head reads it), except an untied input embedding, of which it reads one row."""
+        """Bytes a batch-1 decode step must read of the weights: every parameter once (a tied embedding
+        counts once, as the LM head reads it), except an untied input embedding, of which it reads one
+        row, and the routed experts of a mixture of experts, of which one token runs top_k of E."""
         total = sum(p.numel() * p.element_size() for p in self.model.parameters())  # tied: listed once
         if not self.config.tie_word_embeddings:
             emb = self.model.model.embed_tokens.weight  # [vocab, hidden]
             total -= (emb.shape[0] - 1) * emb.shape[1] * emb.element_size()
+        for block in self.model.modules():
+            if isinstance(block, SparseMoeBlock):  # w13 [E, 2I, H], w2 [E, H, I]: read top_k experts' slices
+                E, k = block.moe.num_experts, block.moe.num_experts_per_tok
+                for w in (block.experts.w13.weight, block.experts.w2.weight):
+                    total -= (E - k) * w[0].numel() * w.element_size()
         return total
 
     def kv_bytes_per_token(self) -> int:
