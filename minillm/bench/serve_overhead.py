@@ -121,16 +121,11 @@ def measure(model: str | None, device: str, num_prompts: int, input_len: tuple[i
     `LLM.generate` each run in a spawned process of their own, so none shares a GIL with another
     side, and the offline engine's GPU memory is given back (its process ends) before the next
     server sizes its KV pool from what is free."""
-    from .serve import random_workload, run_requests_in_process
+    from .serve import random_workload
     from .serve_metrics import summarize
 
     reqs = random_workload(num_prompts, input_len, output_len, seed=12, prompt_format="ids")
-    with served(model, device, work / "serve.log", profile, flags) as (base, pid):
-        run_requests_in_process(base, reqs[:4], ignore_eos=True, progress=False)  # warm
-        steps, cpu = _engine_steps(base), _cpu_seconds(pid)
-        results, duration, _, client_cpu = run_requests_in_process(base, reqs, ignore_eos=True, seed=12,
-                                                                   progress=False, report_cpu=True)
-        steps, cpu = _engine_steps(base) - steps, {k: v - cpu[k] for k, v in _cpu_seconds(pid).items()}
+    results, duration, client_cpu, steps, cpu = served_run(model, device, reqs, work, profile, flags)
     s = summarize(results, duration, (1e9, 1e9))
     if s["failed"]:
         raise RuntimeError(f"{s['failed']} requests failed: {[r.error for r in results if r.error][:3]}")
@@ -145,6 +140,21 @@ def measure(model: str | None, device: str, num_prompts: int, input_len: tuple[i
                 median_ttft_ms=s["median_ttft_ms"], served_steps=steps, offline_steps=offline["steps"],
                 offline_cpu_s=offline["cpu_s"], loop_cpu_s=cpu["loop"], other_cpu_s=cpu["other"],
                 core_cpu_s=cpu["core"], client_cpu_s=client_cpu)
+
+
+def served_run(model: str | None, device: str, reqs: list, work: Path, profile: Path | None = None,
+               flags: list[str] = ()) -> tuple:
+    """The served half of measure: a fresh server, 4 requests to warm it, then all of them at once.
+    -> (results, seconds, the client's CPU seconds, engine steps, the server's CPU seconds by part)."""
+    from .serve import run_requests_in_process
+
+    with served(model, device, work / "serve.log", profile, flags) as (base, pid):
+        run_requests_in_process(base, reqs[:4], ignore_eos=True, progress=False)  # warm
+        steps, cpu = _engine_steps(base), _cpu_seconds(pid)
+        results, duration, _, client_cpu = run_requests_in_process(base, reqs, ignore_eos=True, seed=12,
+                                                                   progress=False, report_cpu=True)
+        steps, cpu = _engine_steps(base) - steps, {k: v - cpu[k] for k, v in _cpu_seconds(pid).items()}
+    return results, duration, client_cpu, steps, cpu
 
 
 def offline_run(model: str | None, device: str, requests: list[tuple[list[int], int]]) -> dict:

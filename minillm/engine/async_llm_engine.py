@@ -13,7 +13,7 @@ every request's new tokens back, once per step. Nothing else touches the engine.
     "thread"    a thread of this process; commands through a queue.Queue, deltas back through
                 loop.call_soon_threadsafe, once per step
     "process"   a child process of its own (vLLM V1's EngineCore / AsyncLLM split); commands and
-                deltas through pipes, one message per loop pass in and one per step out
+                deltas through pipes, a message per command in and one per step out
 
 Why not an asyncio task in the server's loop: a step is a forward pass, milliseconds on a GPU and
 up to seconds on a CPU, and it does not yield; run in the loop, it would freeze every connection.

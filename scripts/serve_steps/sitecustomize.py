@@ -1,0 +1,157 @@
+"""A step trace of every engine in every process, for scripts/serve_steps_cpu.py (chapter 12).
+
+    PYTHONPATH=scripts/serve_steps MINILLM_STEP_TRACE_DIR=/tmp/trace [MINILLM_EMULATE_STEP_US=500,3] \\
+        [MINILLM_CORE_PROFILE=1] python ...
+
+Python imports a sitecustomize at start-up, so this reaches the server, its spawned engine-core
+process and the offline LLM.generate process alike, without a line of the engine changed (it works
+unchanged on an older checkout: a before/after). It first runs scripts/emulate_gpu_step (which does
+nothing unless MINILLM_EMULATE_STEP_US is set), then wraps four methods:
+
+    LLMEngine.add_request   when each request reached the engine (and, in the engine core, when the
+                            API process took it in: the command's `arrival`)
+    Scheduler.schedule      what each step runs: decoding sequences, prompt chunks and their tokens,
+                            running and waiting after it
+    LLMEngine.step          its wall time and the CPU of the stepping thread
+    EngineCore._publish     the CPU of making each pass's rows (the core's work beside the step)
+
+Each process that steps writes {dir}/{core|offline}-{pid}.jsonl, one line per busy period (from the
+first request to the engine's going idle). With MINILLM_CORE_PROFILE set, the engine core runs under
+cProfile and writes {dir}/core-{pid}.prof when it stops; each LLM.generate call writes
+{dir}/offline-{pid}.prof (the last call's, the timed one, is what is left).
+With MINILLM_SEND_PER_PASS set, the API process sends its commands to the core as it did before
+2026-11-26: buffered until the event loop's current pass is over (the A/B of scripts/serve_steps_cpu.py
+--send-per-pass). Without MINILLM_STEP_TRACE_DIR it does nothing beyond the emulation.
+"""
+
+import os
+import runpy
+
+runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "emulate_gpu_step", "sitecustomize.py"))
+
+_DIR = os.environ.get("MINILLM_STEP_TRACE_DIR")
+
+if _DIR:
+    import cProfile
+    import functools
+    import json
+    import threading
+    import time
+
+    from minillm.engine.engine_core import EngineCore
+    from minillm.engine.llm_engine import LLMEngine
+    from minillm.engine.scheduler import Scheduler
+
+    _state = threading.local()  # the arrival of the "add" command being applied, in the core
+    _trace = {"role": "offline", "adds": [], "steps": [], "publishes": [], "sched": None}
+
+    def _flush() -> None:
+        """One busy period, appended as a line: its adds and its steps."""
+        if _trace["steps"] or _trace["adds"]:
+            with open(os.path.join(_DIR, f"{_trace['role']}-{os.getpid()}.jsonl"), "a") as f:
+                f.write(json.dumps({k: _trace[k] for k in ("adds", "steps", "publishes")}) + "\n")
+        _trace["adds"], _trace["steps"], _trace["publishes"] = [], [], []
+
+    _add_request = LLMEngine.add_request
+
+    @functools.wraps(_add_request)
+    def add_request(self, request_id, prompt, params=None, priority=0):
+        _add_request(self, request_id, prompt, params, priority)
+        group = self.groups[request_id]
+        # [reached the engine, the API process's arrival (core only), prompt tokens, max tokens]
+        _trace["adds"].append([time.perf_counter(), getattr(_state, "arrival", None), len(group.prompt_ids),
+                               group.seqs[0].params.max_tokens])
+
+    _schedule = Scheduler.schedule
+
+    @functools.wraps(_schedule)
+    def schedule(self):
+        out = _schedule(self)
+        dec_seqs = dec_tok = pre_seqs = pre_tok = 0
+        for seq, n in out.scheduled:
+            if seq.num_computed_tokens >= len(seq.prompt_ids):  # its prompt is in the cache: decoding
+                dec_seqs, dec_tok = dec_seqs + 1, dec_tok + n
+            else:
+                pre_seqs, pre_tok = pre_seqs + 1, pre_tok + n
+        _trace["sched"] = [dec_seqs, dec_tok, pre_seqs, pre_tok, len(self.running), len(self.waiting)]
+        return out
+
+    _step = LLMEngine.step
+
+    @functools.wraps(_step)
+    def step(self, unfinished_outputs=True):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        _trace["sched"] = None
+        outs = _step(self, unfinished_outputs)
+        t1, c1 = time.perf_counter(), time.thread_time()
+        # [began, ended, CPU of this thread, decoding seqs, their tokens, prompt-chunk seqs, their tokens,
+        #  running, waiting] (the last six None: the step scheduled nothing)
+        _trace["steps"].append([t0, t1, c1 - c0, *(_trace["sched"] or [None] * 6)])
+        if _trace["role"] == "offline" and not self.has_unfinished_requests():
+            _flush()
+        return outs
+
+    _apply = EngineCore._apply
+
+    @functools.wraps(_apply)
+    def apply(self, cmd):
+        _trace["role"] = "core"
+        _state.arrival = cmd[4] if cmd[0] == "add" else None
+        try:
+            return _apply(self, cmd)
+        finally:
+            _state.arrival = None
+
+    _publish = EngineCore._publish
+
+    @functools.wraps(_publish)
+    def publish(self):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        _publish(self)
+        _trace["publishes"].append([t0, time.thread_time() - c0])  # [began, CPU of this thread]
+        if not self.engine.has_unfinished_requests():  # the core's busy period ends with this pass's rows
+            _flush()
+
+    LLMEngine.add_request, Scheduler.schedule, LLMEngine.step = add_request, schedule, step
+    EngineCore._apply, EngineCore._publish = apply, publish
+
+    if os.environ.get("MINILLM_SEND_PER_PASS"):  # the API process's commands as before 2026-11-26, for an A/B
+        from minillm.engine.core_client import ProcCore
+
+        def send_per_pass(self, cmd):
+            """Buffered, and sent when the event loop's current pass is over (whatever it runs first)."""
+            self._pending.append(cmd)
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                self.front.call_soon(self._flush)
+
+        ProcCore.send = send_per_pass
+
+    if os.environ.get("MINILLM_CORE_PROFILE"):
+        from minillm.llm import LLM
+
+        _run = EngineCore.run
+
+        @functools.wraps(_run)
+        def run(self):
+            prof = cProfile.Profile()
+            prof.enable()
+            try:
+                return _run(self)
+            finally:
+                prof.disable()
+                prof.dump_stats(os.path.join(_DIR, f"core-{os.getpid()}.prof"))
+
+        _generate = LLM.generate
+
+        @functools.wraps(_generate)
+        def generate(self, *args, **kwargs):
+            prof = cProfile.Profile()
+            prof.enable()
+            try:
+                return _generate(self, *args, **kwargs)
+            finally:
+                prof.disable()
+                prof.dump_stats(os.path.join(_DIR, f"offline-{os.getpid()}.prof"))
+
+        EngineCore.run, LLM.generate = run, generate
