@@ -162,7 +162,7 @@ assert events[-1] == "[DONE]" and chunks[-1]["usage"]["completion_tokens"] <= 24
 # |---|---|
 # | HTTP in | the client sends → the handler starts (connection, headers, JSON body, validation) |
 # | tokenize | chat template + BPE of the conversation |
-# | hand-off | the request checked and queued for the engine core (one pipe message per loop pass) |
+# | hand-off | the request checked and queued for the engine core (one pipe message, sent at once) |
 # | queue | queued → the engine step that first runs it begins |
 # | prefill | that step: the prompt's forward pass and the first token sampled |
 # | decode steps | the other n − 1 tokens, one engine step each (detokenizing included) |
