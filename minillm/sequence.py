@@ -68,6 +68,10 @@ class Sequence:
         # the scheduler can give the sequence its next step before the token reaches the host.
         self.num_pending = 0
         self.pending_row = -1
+        # len(token_ids) + num_pending, kept up to date by append and the pending-token methods below:
+        # the scheduler, the input packing and the stop checks ask it several times per sequence per
+        # step, and at batch 256 recomputing it was a visible share of the host's step (chapter 13)
+        self.num_tokens = len(prompt_ids)
         self.spec = SpecDecodeMetrics()
         # min_acceptance_rate's back-off: the running acceptance rate, the current pause (output tokens)
         # and the output length at which drafting resumes
@@ -82,10 +86,30 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     @property
-    def num_tokens(self) -> int:
-        """len(token_ids) plus the tokens sampled on the GPU whose values the host does not know yet
-        (num_pending, chapter 13), without building the list (the scheduler asks every step)."""
-        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+    def last_token_id(self) -> int:
+        """token_ids[-1] without building the list; -1 while it is still on the GPU (num_pending)."""
+        if self.num_pending:
+            return -1
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    # ---- overlap scheduling (chapter 13): tokens sampled on the GPU, not yet seen by the host ------
+
+    def add_pending(self, row: int) -> None:
+        """A token is on its way from the GPU, in row `row` of its step's sampled tokens."""
+        self.num_pending += 1
+        self.num_tokens += 1
+        self.pending_row = row
+
+    def take_pending(self) -> None:
+        """The oldest pending token reached the host (append() counts it again)."""
+        if self.num_pending:
+            self.num_pending -= 1
+            self.num_tokens -= 1
+
+    def drop_pending(self) -> None:
+        """The sequence stopped: tokens sampled after its last one are thrown away."""
+        self.num_tokens -= self.num_pending
+        self.num_pending = 0
 
     def banned_tokens(self) -> list[int]:
         """Tokens that may not be sampled now: EOS and stop tokens before min_tokens are out."""
@@ -108,6 +132,7 @@ class Sequence:
 
     def append(self, token_id: int, logprob: float | None = None, entry: dict[int, Logprob] | None = None) -> None:
         self.output_ids.append(token_id)
+        self.num_tokens += 1
         if logprob is not None:
             self.cumulative_logprob += logprob
         if self.logprobs is not None and entry is not None:
@@ -120,7 +145,9 @@ class Sequence:
 
     def _check_stop(self, token_id: int, before: int) -> None:
         p = self.params
-        if len(self.output_ids) >= p.min_tokens:
+        num_output = len(self.output_ids)
+        # the token and text checks only where something could match (most requests: nothing to check)
+        if num_output >= p.min_tokens and (p.stop_token_ids or self.eos_ids or p.stop):
             if token_id in p.stop_token_ids:
                 self.finish_reason, self.stop_reason = "stop", token_id
                 return
@@ -134,7 +161,7 @@ class Sequence:
                     self._text = self._text[: at + len(stop) if p.include_stop_str_in_output else at]
                     self.finish_reason, self.stop_reason = "stop", stop
                     return
-        if (p.max_tokens is not None and len(self.output_ids) >= p.max_tokens) or self.num_tokens >= self.max_len:
+        if (p.max_tokens is not None and num_output >= p.max_tokens) or self.num_tokens >= self.max_len:
             self.finish_reason = "length"
 
     def stream_delta(self) -> str:

@@ -38,5 +38,6 @@ def test_proposer_follows_each_sequence(seed):
         assert q is None
         assert drafts == [ngram_lookup(s.token_ids, 1, 3, k) if k else [] for s, k in zip(seqs, ks)]
         for s in seqs:
-            s.output_ids += [rng.randrange(6) for _ in range(rng.randint(1, 5))]
+            for t in [rng.randrange(6) for _ in range(rng.randint(1, 5))]:
+                s.append(t)  # (append keeps num_tokens up to date)
     assert len(proposer.indexes) == len(seqs)

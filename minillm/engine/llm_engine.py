@@ -54,7 +54,7 @@ from ..sampling.rejection_sampler import RejectionSampler
 from ..sequence import Sequence, append_tokens, make_sequences
 from ..spec_decode import SpecDecodeMetrics
 from ..spec_decode.draft_model import load_draft_model
-from ..worker.model_input import ModelInput, prepare_model_input
+from ..worker.model_input import ModelInput, prepare_decode_input, prepare_model_input
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .overlap_steps import OverlapSteps, needs_host_sampling
@@ -238,7 +238,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         self._advance(sched)
         if not samplers:  # only prompt chunks ran: their K/V are cached, nothing to sample yet
             return failed
-        seqs, logits = self._join_forks(samplers, logits)
+        seqs, logits = (samplers, logits) if sched.decode_only else self._join_forks(samplers, logits)
         failed += self._fail(self._sample(seqs, logits))
         for seq in reserved:  # slots reserved for drafts that were not proposed, or not accepted
             if not seq.finished:
@@ -247,12 +247,17 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
 
     def _prepare(self, sched: SchedulerOutput, logits_indices: list[int]) -> ModelInput:
         """The step as plain data for the executor (worker/model_input.py)."""
+        if sched.decode_only:  # one token per sequence, each its last: the short path
+            return prepare_decode_input([s for s, _ in sched.scheduled], self.block_manager.block_tables,
+                                        self.config.block_size, self.block_manager.take_table_changes())
         return prepare_model_input(sched.scheduled, self.block_manager.block_tables, self.config.block_size,
                                    logits_indices, self.block_manager.take_table_changes())
 
     def _logits_rows(self, sched: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
         """Which rows of the step's packed tokens get logits (vLLM's logits_indices), and whose they are: a
         sequence samples when this step computes its last known token (not in the middle of a prompt)."""
+        if sched.decode_only:  # every sequence runs its last token, one row each: all of them sample
+            return list(range(len(sched.scheduled))), [s for s, _ in sched.scheduled]
         rows, seqs, offset = [], [], 0
         for s, n in sched.scheduled:
             offset += n
@@ -268,8 +273,9 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         now, bs, stats = time.perf_counter(), self.block_manager.block_size, self.engine_stats
         stats.num_steps += 1
         for seq, n in sched.scheduled:
-            group = self._group_of[seq.seq_id]
-            group.metrics.first_scheduled_time = group.metrics.first_scheduled_time or now
+            if not sched.decode_only:  # (a decoding sequence was scheduled before: its request has the time)
+                group = self._group_of[seq.seq_id]
+                group.metrics.first_scheduled_time = group.metrics.first_scheduled_time or now
             before = seq.num_computed_tokens
             seq.num_computed_tokens += n
             stats.num_prompt_tokens += max(0, min(seq.num_computed_tokens, len(seq.prompt_ids)) - before)
@@ -338,15 +344,14 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         self._verify([seqs[i] for i in spec], logits[rows])
 
     def _sample_plain(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        params = [s.params for s in seqs]
-        banned = [s.banned_tokens() for s in seqs]
         tokens = None
-        if all(_plain_greedy(p) for p in params) and not any(banned):  # the common case, without the setup
+        if all(_plain_greedy(s.params) and not s.banned_tokens() for s in seqs):  # the common case, no setup
             tokens = greedy_tokens(logits)
         if tokens is not None:
             for s, t in zip(seqs, tokens):
                 s.append(t)
         else:
+            params, banned = [s.params for s in seqs], [s.banned_tokens() for s in seqs]
             meta = SamplingMetadata.build(params, [s.prompt_ids for s in seqs], [s.output_ids for s in seqs],
                                           [s.seed for s in seqs], banned, logits.shape[1], logits.device)
             append_tokens(seqs, self.sampler(logits, meta), self.tokenizer)

@@ -71,7 +71,12 @@ class OverlapSteps:
             step = self._prepare(sched, logits_indices)
             logits = self.executor.execute_model(step, prev.sampled.next_input if prev is not None else None)
             filled = self._count_computed(sched)
-            seqs, logits = self._join_forks(samplers, logits) if samplers else ([], None)
+            if not samplers:
+                seqs, logits = [], None
+            elif sched.decode_only:  # no prompt ended this step: no forks to join
+                seqs = samplers
+            else:
+                seqs, logits = self._join_forks(samplers, logits)
             inflight = None
             if seqs:
                 inflight = InflightStep(seqs, self._sample_device(seqs, logits), filled, unfinished_outputs)
@@ -84,8 +89,7 @@ class OverlapSteps:
             last = (seq.num_tokens + 1 >= self.max_model_len
                     or (p.max_tokens is not None and len(seq.output_ids) + seq.num_pending + 1 >= p.max_tokens))
             if not last:
-                seq.num_pending += 1
-                seq.pending_row = row
+                seq.add_pending(row)
         if inflight is None:  # only prompt chunks ran: name their blocks now, nothing to sample
             self._name_blocks(filled)
         outputs = self._process(prev) if prev is not None else []
@@ -129,8 +133,7 @@ class OverlapSteps:
         self._name_blocks(step.filled)  # every token these blocks hold is known now
         live, errors = [], {}
         for seq, token in zip(step.seqs, tokens):
-            if seq.num_pending:
-                seq.num_pending -= 1
+            seq.take_pending()
             group = self._group_of.get(seq.seq_id)
             if group is None or seq.finished:  # aborted, failed, or stopped by its previous token
                 continue
@@ -140,7 +143,7 @@ class OverlapSteps:
                 continue
             seq.append(token)
             if seq.finished:
-                seq.num_pending = 0  # a token sampled after this one is thrown away
+                seq.drop_pending()  # a token sampled after this one is thrown away
             live.append(seq)
         self.engine_stats.num_generation_tokens += len(live)
         failed = self._fail(errors) if errors else []

@@ -42,6 +42,9 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
     preempted: list[Sequence] = field(default_factory=list)
+    # every scheduled sequence runs exactly its one last token: no prompt chunk, no drafts, no forks to
+    # join, nobody admitted or swapped in (chapter 13: the engine's per-step work has a short path then)
+    decode_only: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -64,6 +67,10 @@ class Scheduler:
         # sampling). Admission counts them against max_num_seqs up front, so the forks always fit.
         self._fanout: dict[int, int] = {}
         self.num_lookahead = None  # (seq, running batch size) -> draft tokens it may carry; None: no drafts
+        # running is already in schedule order: everyone in it decoded last step and nobody joined since.
+        # A decoding sequence keeps decoding (one token to go after every step) until it leaves, so the
+        # sort below would not move anyone: at batch 256 skipping it saves the key of every sequence.
+        self._in_order = False
 
     def add(self, seq: Sequence, priority: int, arrival: int, fanout: int = 1) -> None:
         self._order[seq.seq_id] = (priority, arrival, seq.seq_id)
@@ -78,6 +85,7 @@ class Scheduler:
         self._fanout.pop(like.seq_id, None)  # the parent has forked: from now on it is one sequence
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        self._in_order = False
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -104,14 +112,19 @@ class Scheduler:
         # Within a priority, decodes before prompt chunks (Sarathi-Serve): a long prompt never delays
         # the next token of a sequence already generating.
         order = self._order
-        queue = deque(sorted(self.running, key=lambda s: (order[s.seq_id][0], s.num_tokens - s.num_computed_tokens > 1,
-                                                          order[s.seq_id][1:])))
+        if self._in_order:
+            queue = deque(self.running)
+        else:
+            queue = deque(sorted(self.running, key=lambda s: (order[s.seq_id][0], s.num_tokens - s.num_computed_tokens > 1,
+                                                              order[s.seq_id][1:])))
         self.running = []
         lookahead, batch = self.num_lookahead, len(queue)
+        all_one, decodes = True, 0  # everyone had one token to go; sequences scheduled with just that token
         while queue:
             seq = queue.popleft()
             todo = seq.num_tokens - seq.num_computed_tokens
             n = min(todo, budget)
+            all_one = all_one and todo == 1
             # one token to go (a prompt's last one too), and no forks waiting for this step's logits
             decoding = todo == 1 and seq.seq_id not in self._fanout
             k = min(lookahead(seq, batch), budget - 1) if lookahead is not None and decoding else 0
@@ -128,10 +141,15 @@ class Scheduler:
                     continue
                 out.scheduled.append((seq, n))
                 budget -= n
+                decodes += decoding
             self.running.append(seq)
+        kept = len(self.running)
         if not out.preempted:  # vLLM's rule: no admissions in a step that had to preempt
             budget = self._swap_in(out, budget)
             self._admit(out, budget)
+        out.decode_only = decodes == len(out.scheduled)  # (an admission or a swap-in is not a decode)
+        # everyone decodes, nobody joined (admitted, swapped in) and nobody was preempted: the order stands
+        self._in_order = all_one and not out.preempted and len(self.running) == kept
         out.blocks_to_copy, self.bm.pending_copies = self.bm.pending_copies, []
         return out
 

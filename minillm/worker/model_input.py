@@ -113,3 +113,25 @@ def prepare_model_input(scheduled: list[tuple[Sequence, int]], block_tables: dic
                 step.prev_token_src.append(s.pending_row)
         offset += n
     return step
+
+
+def prepare_decode_input(seqs: list[Sequence], block_tables: dict[int, list[int]], block_size: int,
+                         table_changes=None) -> ModelInput:
+    """prepare_model_input for a step where every sequence runs one token, its last, and samples
+    (SchedulerOutput.decode_only): the same ModelInput, built column by column without the general
+    path's per-sequence chunk lists (at batch 256 those were a third of the engine's packing time)."""
+    pos = [s.num_computed_tokens for s in seqs]  # [B]: the one new token's position, num_tokens - 1
+    tables = [block_tables[s.seq_id] for s in seqs]
+    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, pos)]  # [B]
+    step = ModelInput([s.last_token_id for s in seqs], pos, slots, [p + 1 for p in pos], [], [1] * len(seqs),
+                      list(range(len(seqs))))
+    if table_changes is None:
+        width = max(map(len, tables), default=0)
+        step.block_table = [t + [0] * (width - len(t)) for t in tables]
+    else:
+        step.dropped_tables, step.table_updates = table_changes
+        step.seq_ids = [s.seq_id for s in seqs]
+    # the tokens still on the GPU (-1 above): row i takes the previous step's sampled token pending_row
+    step.prev_token_dst = [i for i, s in enumerate(seqs) if s.num_pending]
+    step.prev_token_src = [seqs[i].pending_row for i in step.prev_token_dst]
+    return step
