@@ -25,9 +25,12 @@ The merge need not be a second launch (chapter 13). At batch 1 a launch costs as
 and a CUDA graph must size the grid from the block table's width, not from the sequence's length, so
 it splits even a short context. So each program, having stored its partial, takes a ticket from an
 atomic counter for its (sequence, KV head); the one that draws the last ticket knows every other
-split's partial is written, merges them (the same sum, as an online softmax over the splits) and
-resets the counter to 0 for the next launch. The stores are ordered before the ticket by a barrier
-and the atomic's release; the merger's loads after its acquire, bypassing L1.
+split's partial is written, merges them (the same sum, as an online softmax over the splits, a chunk
+of splits per load) and resets the counter to 0 for the next launch. The stores are ordered before
+the ticket by a barrier and the atomic's release; the merger's loads after its acquire, bypassing L1.
+The grid is fixed, but a sequence need not use all of it: it takes one split per SPLIT_GRAIN keys, up
+to the grid's count, and the rest do nothing. A short context then runs in one split, which writes
+the output itself: one kernel, no partials, no merge.
 
 Reading each KV head once. With grouped-query attention, Hq / Hkv query heads share one KV head. A
 program serves the whole group: it loads the group's query rows as one [BLOCK_H, D] tile (padded to
@@ -88,7 +91,8 @@ def _flash_decode_split(
     num_heads, group, block_size, window, num_splits, qk_scale,
     keys_bucket,  # not used by the kernel: part of the autotuning key only
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, HAS_WINDOW: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-    IEEE: tl.constexpr, QUANT_KV: tl.constexpr, FUSED_COMBINE: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr, QUANT_KV: tl.constexpr, FUSED_COMBINE: tl.constexpr, SPLIT_GRAIN: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -101,11 +105,22 @@ def _flash_decode_split(
     start = 0
     if HAS_WINDOW:  # the query at position seqlen_k - 1 sees the last `window` keys
         start = tl.maximum(seqlen_k - window, 0)
+    # How many splits this sequence uses. The grid is sized for the longest sequence the block table
+    # allows (a CUDA graph cannot resize it). With the merge in the kernel, a sequence takes only as many
+    # splits as it has SPLIT_GRAIN-key slices: the others skip their loop and store nothing, and the
+    # merge waits for and reads only the active ones. One active split writes the final output itself,
+    # with no partials and no merge. Chapter 04's separate combine kernel reads every split, so without
+    # FUSED_COMBINE every split takes part.
+    span = seqlen_k - start
+    n_active = num_splits
+    if FUSED_COMBINE:
+        n_active = tl.maximum(tl.minimum(num_splits, tl.cdiv(span, SPLIT_GRAIN)), 1)  # a padding row: 0 keys
+    active = split < n_active
     # This split's slice of the visible keys [start, seqlen_k), whole tiles except at the end.
-    # Split 0 is never empty; later ones may be (lo >= hi: the loop runs zero times).
-    per_split = tl.cdiv(tl.cdiv(seqlen_k - start, num_splits), BLOCK_N) * BLOCK_N
+    # Split 0 is never empty; later active ones may be (lo >= hi: the loop runs zero times).
+    per_split = tl.cdiv(tl.cdiv(span, n_active), BLOCK_N) * BLOCK_N
     lo = start + split * per_split
-    hi = tl.minimum(lo + per_split, seqlen_k)
+    hi = tl.where(active, tl.minimum(lo + per_split, seqlen_k), lo)
 
     offs_h = tl.arange(0, BLOCK_H)  # [BLOCK_H] rows: the query heads of this KV head's group
     offs_d = tl.arange(0, HEAD_DIM)
@@ -143,11 +158,12 @@ def _flash_decode_split(
 
     if QUANT_KV:
         acc = acc * v_scale  # a quantized V's scale, once per program
-    if SINGLE_SPLIT:  # the whole sequence in one program: the result is final
-        out = acc / l_i[:, None]
-        tl.store(Out + b.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
-                 out.to(Out.dtype.element_ty), mask=head_ok[:, None])
-    else:
+    if n_active == 1:  # the whole sequence in one program (split 0): the result is final
+        if split == 0:
+            out = acc / l_i[:, None]
+            tl.store(Out + b.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
+                     out.to(Out.dtype.element_ty), mask=head_ok[:, None])
+    elif active:
         # An empty split has l = 0: store o = 0 (not 0/0 = NaN, which a 0 weight would not cancel:
         # 0 * NaN is NaN) and lse = -inf, which gives it weight 0 in the merge.
         empty = l_i == 0.0
@@ -162,31 +178,37 @@ def _flash_decode_split(
             tl.debug_barrier()
             counter = Counters + b * tl.num_programs(1) + kv_head
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == num_splits - 1:
-                _merge_splits(O_part, Lse_part, Out, b, heads, head_ok, offs_d, num_heads, num_splits,
-                              stride_o_seq, stride_o_head, HEAD_DIM)
+            if ticket == n_active - 1:
+                _merge_splits(O_part, Lse_part, Out, b, heads, head_ok, offs_d, num_heads, num_splits, n_active,
+                              stride_o_seq, stride_o_head, HEAD_DIM, BLOCK_H, MERGE_CHUNK)
                 tl.store(counter, 0)  # zero again for the next launch (a CUDA graph replays this one)
 
 
 @triton.jit
-def _merge_splits(O_part, Lse_part, Out, b, heads, head_ok, offs_d, num_heads, num_splits,
-                  stride_o_seq, stride_o_head, HEAD_DIM: tl.constexpr):
-    """out = sum_s w_s o_s over the splits of these heads [BLOCK_H], as an online merge: split 0
-    (never empty) sets the running max, the others rescale it (an empty split's lse is -inf: weight 0).
-    The partials were written by other programs in this launch: loaded past L1 (.cg)."""
+def _merge_splits(O_part, Lse_part, Out, b, heads, head_ok, offs_d, num_heads, num_splits, n_active,
+                  stride_o_seq, stride_o_head, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """out = sum_s w_s o_s over the n_active splits of these heads [BLOCK_H], an online merge over chunks
+    of CHUNK splits: each chunk's partials are loaded at once (loads in flight together, not one split
+    after another), its max rescales the running sums (an empty split's lse is -inf: weight 0). The
+    partials were written by other programs in this launch: loaded past L1 (.cg)."""
+    offs_c = tl.arange(0, CHUNK)
     rows = (b * num_heads + heads).to(tl.int64) * num_splits  # [BLOCK_H] into [B, Hq, S]
-    m = tl.load(Lse_part + rows, mask=head_ok, other=0.0, cache_modifier=".cg")  # [BLOCK_H], base 2
-    l = tl.full(m.shape, 1.0, tl.float32)
-    acc = tl.load(O_part + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=head_ok[:, None], other=0.0,
-                  cache_modifier=".cg")  # [BLOCK_H, HEAD_DIM]
-    for s in range(1, num_splits):
-        lse = tl.load(Lse_part + rows + s, mask=head_ok, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(O_part + (rows + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=head_ok[:, None],
-                    other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)  # finite: m is
-        alpha, w = tl.exp2(m - m_new), tl.exp2(lse - m_new)
-        l = l * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, base 2
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for s0 in range(0, n_active, CHUNK):
+        split_ok = head_ok[:, None] & (s0 + offs_c < n_active)[None, :]  # [BLOCK_H, CHUNK]
+        idx = rows[:, None] + s0 + offs_c[None, :]  # [BLOCK_H, CHUNK] into [B, Hq, S]
+        lse = tl.load(Lse_part + idx, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(O_part + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=split_ok[:, :, None],
+                    other=0.0, cache_modifier=".cg")  # [BLOCK_H, CHUNK, HEAD_DIM]
+        # finite for a real head (its split 0 is never empty); 0 for the padding rows, which are not stored
+        m_new = tl.where(head_ok, tl.maximum(m, tl.max(lse, 1)), 0.0)
+        w = tl.exp2(lse - m_new[:, None])  # [BLOCK_H, CHUNK]
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
         m = m_new
     tl.store(Out + b.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
              (acc / l[:, None]).to(Out.dtype.element_ty), mask=head_ok[:, None])
@@ -222,9 +244,6 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, num_sms:
         return 1
     wanted = triton.cdiv(2 * num_sms, programs)
     return max(1, min(wanted, triton.cdiv(max_seqlen_k, SPLIT_GRAIN), MAX_SPLITS))
-
-
-MAX_FUSED_MERGE = 8  # splits the last program merges itself (flash_decode's fused_combine)
 
 
 @functools.cache
@@ -291,18 +310,17 @@ def flash_decode(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=N
         lse_part = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
     scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
     group = Hq // Hkv
-    # the last split merges the others one after another, a loop as long as the split count: cheap for a
-    # few, but a graphed batch-1 step cuts even a short sequence into up to MAX_SPLITS pieces, and then the
-    # combine kernel (one program per head, all splits at once) is faster (chapter 13's profile)
-    fused = fused_combine and not single and num_splits <= MAX_FUSED_MERGE
+    fused = fused_combine and not single
     counters = split_counters(q.device, B * Hkv) if fused else None
+    block_h = max(16, triton.next_power_of_2(group))
     _flash_decode_split[(num_splits, Hkv, B)](
         q, k_cache, v_cache, out, o_part, lse_part, seqused_k, block_table, counters, k_scale, v_scale,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(1),
         block_table.stride(0), Hq, group, block_size, sliding_window or 0, num_splits, scale * LOG2E,
         min(max(16, triton.next_power_of_2(triton.cdiv(max_keys, num_splits))), 8192),
-        HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)), HAS_WINDOW=sliding_window is not None,
+        HEAD_DIM=D, BLOCK_H=block_h, HAS_WINDOW=sliding_window is not None,
         SINGLE_SPLIT=single, IEEE=q.dtype == torch.float32, QUANT_KV=k_scale is not None, FUSED_COMBINE=fused,
+        SPLIT_GRAIN=SPLIT_GRAIN, MERGE_CHUNK=max(1, 8192 // (block_h * D)),  # [BLOCK_H, chunk, D] fp32 a merge step
     )
     if not single and not fused:
         _flash_decode_combine[(B, Hq)](o_part, lse_part, out, out.stride(0), out.stride(1), Hq, num_splits,
