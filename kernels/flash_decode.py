@@ -25,8 +25,8 @@ The merge need not be a second launch (chapter 13). At batch 1 a launch costs as
 and a CUDA graph must size the grid from the block table's width, not from the sequence's length, so
 it splits even a short context. So each program, having stored its partial, takes a ticket from an
 atomic counter for its (sequence, KV head); the one that draws the last ticket knows every other
-split's partial is written, merges them (the same sum, as an online softmax over the splits, a chunk
-of splits per load) and resets the counter to 0 for the next launch. The stores are ordered before
+split's partial is written, merges them (the sum above, one query head after another, each head's
+splits in one load) and resets the counter to 0 for the next launch. The stores are ordered before
 the ticket by a barrier and the atomic's release; the merger's loads after its acquire, bypassing L1.
 The grid is fixed, but a sequence need not use all of it: it takes one split per SPLIT_GRAIN keys, up
 to the grid's count, and the rest do nothing. A short context then runs in one split, which writes
@@ -92,7 +92,7 @@ def _flash_decode_split(
     keys_bucket,  # not used by the kernel: part of the autotuning key only
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, HAS_WINDOW: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     IEEE: tl.constexpr, QUANT_KV: tl.constexpr, FUSED_COMBINE: tl.constexpr, SPLIT_GRAIN: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,  # SPLITS: num_splits rounded up to a power of two
 ):
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -158,11 +158,11 @@ def _flash_decode_split(
 
     if QUANT_KV:
         acc = acc * v_scale  # a quantized V's scale, once per program
-    if n_active == 1:  # the whole sequence in one program (split 0): the result is final
+    if SINGLE_SPLIT:  # the whole sequence in one program: the result is final
+        _store_final(Out, acc, l_i, b, heads, head_ok, offs_d, stride_o_seq, stride_o_head)
+    elif n_active == 1:  # a short sequence in a many-split grid: split 0 had every key
         if split == 0:
-            out = acc / l_i[:, None]
-            tl.store(Out + b.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
-                     out.to(Out.dtype.element_ty), mask=head_ok[:, None])
+            _store_final(Out, acc, l_i, b, heads, head_ok, offs_d, stride_o_seq, stride_o_head)
     elif active:
         # An empty split has l = 0: store o = 0 (not 0/0 = NaN, which a 0 weight would not cancel:
         # 0 * NaN is NaN) and lse = -inf, which gives it weight 0 in the merge.
@@ -179,39 +179,36 @@ def _flash_decode_split(
             counter = Counters + b * tl.num_programs(1) + kv_head
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == n_active - 1:
-                _merge_splits(O_part, Lse_part, Out, b, heads, head_ok, offs_d, num_heads, num_splits, n_active,
-                              stride_o_seq, stride_o_head, HEAD_DIM, BLOCK_H, MERGE_CHUNK)
+                # one query head after another, all its active splits in one load (.cg: past L1, the
+                # partials were written by other programs of this launch)
+                for g in range(0, group):
+                    _combine_head(O_part, Lse_part, Out, b, kv_head * group + g, num_heads, num_splits,
+                                  n_active, stride_o_seq, stride_o_head, HEAD_DIM, SPLITS, ".cg")
                 tl.store(counter, 0)  # zero again for the next launch (a CUDA graph replays this one)
 
 
 @triton.jit
-def _merge_splits(O_part, Lse_part, Out, b, heads, head_ok, offs_d, num_heads, num_splits, n_active,
-                  stride_o_seq, stride_o_head, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                  CHUNK: tl.constexpr):
-    """out = sum_s w_s o_s over the n_active splits of these heads [BLOCK_H], an online merge over chunks
-    of CHUNK splits: each chunk's partials are loaded at once (loads in flight together, not one split
-    after another), its max rescales the running sums (an empty split's lse is -inf: weight 0). The
-    partials were written by other programs in this launch: loaded past L1 (.cg)."""
-    offs_c = tl.arange(0, CHUNK)
-    rows = (b * num_heads + heads).to(tl.int64) * num_splits  # [BLOCK_H] into [B, Hq, S]
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, base 2
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for s0 in range(0, n_active, CHUNK):
-        split_ok = head_ok[:, None] & (s0 + offs_c < n_active)[None, :]  # [BLOCK_H, CHUNK]
-        idx = rows[:, None] + s0 + offs_c[None, :]  # [BLOCK_H, CHUNK] into [B, Hq, S]
-        lse = tl.load(Lse_part + idx, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(O_part + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=split_ok[:, :, None],
-                    other=0.0, cache_modifier=".cg")  # [BLOCK_H, CHUNK, HEAD_DIM]
-        # finite for a real head (its split 0 is never empty); 0 for the padding rows, which are not stored
-        m_new = tl.where(head_ok, tl.maximum(m, tl.max(lse, 1)), 0.0)
-        w = tl.exp2(lse - m_new[:, None])  # [BLOCK_H, CHUNK]
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(w, 1)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
-        m = m_new
+def _store_final(Out, acc, l_i, b, heads, head_ok, offs_d, stride_o_seq, stride_o_head):
+    out = acc / l_i[:, None]  # [BLOCK_H, HEAD_DIM]
     tl.store(Out + b.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
-             (acc / l[:, None]).to(Out.dtype.element_ty), mask=head_ok[:, None])
+             out.to(Out.dtype.element_ty), mask=head_ok[:, None])
+
+
+@triton.jit
+def _combine_head(O_part, Lse_part, Out, b, h, num_heads, num_splits, n_splits, stride_o_seq, stride_o_head,
+                  HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, CACHE: tl.constexpr):
+    """out[b, h] = sum_s w_s o_s over its first n_splits partials, all loaded at once."""
+    row = (b * num_heads + h).to(tl.int64) * num_splits
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_ok = offs_s < n_splits
+    lse = tl.load(Lse_part + row + offs_s, mask=split_ok, other=float("-inf"), cache_modifier=CACHE)  # [SPLITS]
+    m = tl.max(lse, 0)  # finite: split 0 always has keys
+    w = tl.exp2(lse - m)  # [SPLITS]: each slice's denominator relative to the largest; 0 for empty ones
+    o = tl.load(O_part + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=split_ok[:, None],
+                other=0.0, cache_modifier=CACHE)  # [SPLITS, HEAD_DIM]
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)  # [HEAD_DIM]
+    tl.store(Out + b.to(tl.int64) * stride_o_seq + h * stride_o_head + offs_d, out.to(Out.dtype.element_ty))
 
 
 @triton.jit
@@ -220,19 +217,8 @@ def _flash_decode_combine(
     stride_o_seq, stride_o_head, num_heads, num_splits,
     HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,  # SPLITS: num_splits rounded up to a power of two
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    row = (b * num_heads + h).to(tl.int64) * num_splits
-    offs_s = tl.arange(0, SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM)
-    split_ok = offs_s < num_splits
-    lse = tl.load(Lse_part + row + offs_s, mask=split_ok, other=float("-inf"))  # [SPLITS]
-    m = tl.max(lse, 0)  # finite: split 0 always has keys
-    w = tl.exp2(lse - m)  # [SPLITS]: each slice's denominator relative to the largest; 0 for empty ones
-    o = tl.load(O_part + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=split_ok[:, None],
-                other=0.0)  # [SPLITS, HEAD_DIM]
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)  # [HEAD_DIM]
-    tl.store(Out + b.to(tl.int64) * stride_o_seq + h * stride_o_head + offs_d, out.to(Out.dtype.element_ty))
+    _combine_head(O_part, Lse_part, Out, tl.program_id(0), tl.program_id(1), num_heads, num_splits, num_splits,
+                  stride_o_seq, stride_o_head, HEAD_DIM, SPLITS, "")
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, num_sms: int) -> int:
@@ -312,15 +298,14 @@ def flash_decode(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=N
     group = Hq // Hkv
     fused = fused_combine and not single
     counters = split_counters(q.device, B * Hkv) if fused else None
-    block_h = max(16, triton.next_power_of_2(group))
     _flash_decode_split[(num_splits, Hkv, B)](
         q, k_cache, v_cache, out, o_part, lse_part, seqused_k, block_table, counters, k_scale, v_scale,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(1),
         block_table.stride(0), Hq, group, block_size, sliding_window or 0, num_splits, scale * LOG2E,
         min(max(16, triton.next_power_of_2(triton.cdiv(max_keys, num_splits))), 8192),
-        HEAD_DIM=D, BLOCK_H=block_h, HAS_WINDOW=sliding_window is not None,
+        HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)), HAS_WINDOW=sliding_window is not None,
         SINGLE_SPLIT=single, IEEE=q.dtype == torch.float32, QUANT_KV=k_scale is not None, FUSED_COMBINE=fused,
-        SPLIT_GRAIN=SPLIT_GRAIN, MERGE_CHUNK=max(1, 8192 // (block_h * D)),  # [BLOCK_H, chunk, D] fp32 a merge step
+        SPLIT_GRAIN=SPLIT_GRAIN, SPLITS=triton.next_power_of_2(num_splits),
     )
     if not single and not fused:
         _flash_decode_combine[(B, Hq)](o_part, lse_part, out, out.stride(0), out.stride(1), Hq, num_splits,

@@ -163,8 +163,9 @@ def main():
     out = Path(os.environ.get("OUT", "."))
     head = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                      cwd=Path(__file__).parent).stdout.strip() or os.environ.get("COMMIT", "?"))
+                commit=os.environ.get("MINILLM_COMMIT") or subprocess.run(
+                    ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                    cwd=Path(__file__).parent).stdout.strip() or "?")
     print(head, flush=True)
     result = dict(header=head, kernels=[], kernels_per_layer={}, step_us={})
 
@@ -198,7 +199,7 @@ def main():
     rows = result["kernels"]
     rows.append(bench_rope(9, 3, 64, 1, False))
     rows.append(bench_rope(16, 8, 128, 1, True))
-    for seq_len in (384, 4096):
+    for seq_len in (45, 384, 4096):
         rows.append(bench_decode(9, 3, 64, seq_len))
         rows.append(bench_decode(16, 8, 128, seq_len))
     for M in (1, 4, 8):
