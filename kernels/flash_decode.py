@@ -25,9 +25,10 @@ The merge need not be a second launch (chapter 13). At batch 1 a launch costs as
 and a CUDA graph must size the grid from the block table's width, not from the sequence's length, so
 it splits even a short context. So each program, having stored its partial, takes a ticket from an
 atomic counter for its (sequence, KV head); the one that draws the last ticket knows every other
-split's partial is written, merges them (the sum above, one query head after another, each head's
-splits in one load) and resets the counter to 0 for the next launch. The stores are ordered before
-the ticket by a barrier and the atomic's release; the merger's loads after its acquire, bypassing L1.
+split's partial is written, merges them (the sum above, as an online merge over chunks of splits,
+every query head of the group in one load per chunk) and resets the counter to 0 for the next launch.
+The stores are ordered before the ticket by a barrier and the atomic's release; the merger's loads
+after its acquire, bypassing L1.
 The grid is fixed, but a sequence need not use all of it: it takes one split per SPLIT_GRAIN keys, up
 to the grid's count, and the rest do nothing. A short context then runs in one split, which writes
 the output itself: one kernel, no partials, no merge.
@@ -92,7 +93,7 @@ def _flash_decode_split(
     keys_bucket,  # not used by the kernel: part of the autotuning key only
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, HAS_WINDOW: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     IEEE: tl.constexpr, QUANT_KV: tl.constexpr, FUSED_COMBINE: tl.constexpr, SPLIT_GRAIN: tl.constexpr,
-    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,  # SPLITS: num_splits rounded up to a power of two
+    GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -179,12 +180,42 @@ def _flash_decode_split(
             counter = Counters + b * tl.num_programs(1) + kv_head
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == n_active - 1:
-                # one query head after another, all its active splits in one load (.cg: past L1, the
-                # partials were written by other programs of this launch)
-                for g in range(0, group):
-                    _combine_head(O_part, Lse_part, Out, b, kv_head * group + g, num_heads, num_splits,
-                                  n_active, stride_o_seq, stride_o_head, HEAD_DIM, SPLITS, ".cg")
+                _merge_splits(O_part, Lse_part, Out, b, kv_head, group, num_heads, num_splits, n_active,
+                              stride_o_seq, stride_o_head, HEAD_DIM, GROUP, MERGE_CHUNK)
                 tl.store(counter, 0)  # zero again for the next launch (a CUDA graph replays this one)
+
+
+@triton.jit
+def _merge_splits(O_part, Lse_part, Out, b, kv_head, group, num_heads, num_splits, n_active,
+                  stride_o_seq, stride_o_head, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr):
+    """out = sum_s w_s o_s for the group's query heads over their n_active splits, as an online merge over
+    chunks of CHUNK splits: a chunk of every head is one [GROUP, CHUNK, HEAD_DIM] load, so the merger
+    waits for memory once per chunk, not once per split or head (an empty split's lse is -inf: weight
+    0). The partials were written by other programs in this launch: loaded past L1 (.cg)."""
+    offs_g = tl.arange(0, GROUP)  # GROUP: the group's size rounded up to a power of two
+    offs_c = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head_ok = offs_g < group
+    heads = kv_head * group + offs_g
+    rows = (b * num_heads + heads).to(tl.int64) * num_splits  # [GROUP] into [B, Hq, S]
+    m = tl.full([GROUP], float("-inf"), tl.float32)  # running max, base 2
+    l = tl.zeros([GROUP], tl.float32)
+    acc = tl.zeros([GROUP, HEAD_DIM], tl.float32)
+    for s0 in range(0, n_active, CHUNK):
+        ok = head_ok[:, None] & (s0 + offs_c < n_active)[None, :]  # [GROUP, CHUNK]
+        idx = rows[:, None] + s0 + offs_c[None, :]  # [GROUP, CHUNK] into [B, Hq, S]
+        lse = tl.load(Lse_part + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(O_part + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=ok[:, :, None], other=0.0,
+                    cache_modifier=".cg")  # [GROUP, CHUNK, HEAD_DIM]
+        # finite for a real head (its split 0 is never empty); 0 for the padding rows, which are not stored
+        m_new = tl.where(head_ok, tl.maximum(m, tl.max(lse, 1)), 0.0)
+        w = tl.exp2(lse - m_new[:, None])  # [GROUP, CHUNK]
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
+        m = m_new
+    tl.store(Out + b.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
+             (acc / l[:, None]).to(Out.dtype.element_ty), mask=head_ok[:, None])
 
 
 @triton.jit
@@ -195,30 +226,24 @@ def _store_final(Out, acc, l_i, b, heads, head_ok, offs_d, stride_o_seq, stride_
 
 
 @triton.jit
-def _combine_head(O_part, Lse_part, Out, b, h, num_heads, num_splits, n_splits, stride_o_seq, stride_o_head,
-                  HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, CACHE: tl.constexpr):
-    """out[b, h] = sum_s w_s o_s over its first n_splits partials, all loaded at once."""
-    row = (b * num_heads + h).to(tl.int64) * num_splits
-    offs_s = tl.arange(0, SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM)
-    split_ok = offs_s < n_splits
-    lse = tl.load(Lse_part + row + offs_s, mask=split_ok, other=float("-inf"), cache_modifier=CACHE)  # [SPLITS]
-    m = tl.max(lse, 0)  # finite: split 0 always has keys
-    w = tl.exp2(lse - m)  # [SPLITS]: each slice's denominator relative to the largest; 0 for empty ones
-    o = tl.load(O_part + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=split_ok[:, None],
-                other=0.0, cache_modifier=CACHE)  # [SPLITS, HEAD_DIM]
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)  # [HEAD_DIM]
-    tl.store(Out + b.to(tl.int64) * stride_o_seq + h * stride_o_head + offs_d, out.to(Out.dtype.element_ty))
-
-
-@triton.jit
 def _flash_decode_combine(
     O_part, Lse_part, Out,  # [B, Hq, S, D] fp32, [B, Hq, S] fp32 (base 2), out [B, Hq, D]
     stride_o_seq, stride_o_head, num_heads, num_splits,
     HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,  # SPLITS: num_splits rounded up to a power of two
 ):
-    _combine_head(O_part, Lse_part, Out, tl.program_id(0), tl.program_id(1), num_heads, num_splits, num_splits,
-                  stride_o_seq, stride_o_head, HEAD_DIM, SPLITS, "")
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = (b * num_heads + h).to(tl.int64) * num_splits
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_ok = offs_s < num_splits
+    lse = tl.load(Lse_part + row + offs_s, mask=split_ok, other=float("-inf"))  # [SPLITS]
+    m = tl.max(lse, 0)  # finite: split 0 always has keys
+    w = tl.exp2(lse - m)  # [SPLITS]: each slice's denominator relative to the largest; 0 for empty ones
+    o = tl.load(O_part + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=split_ok[:, None],
+                other=0.0)  # [SPLITS, HEAD_DIM]
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)  # [HEAD_DIM]
+    tl.store(Out + b.to(tl.int64) * stride_o_seq + h * stride_o_head + offs_d, out.to(Out.dtype.element_ty))
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, num_sms: int) -> int:
@@ -305,7 +330,9 @@ def flash_decode(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=N
         min(max(16, triton.next_power_of_2(triton.cdiv(max_keys, num_splits))), 8192),
         HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)), HAS_WINDOW=sliding_window is not None,
         SINGLE_SPLIT=single, IEEE=q.dtype == torch.float32, QUANT_KV=k_scale is not None, FUSED_COMBINE=fused,
-        SPLIT_GRAIN=SPLIT_GRAIN, SPLITS=triton.next_power_of_2(num_splits),
+        # the merge's [GROUP, MERGE_CHUNK, D] fp32 tile: about 8k numbers, no more splits than the grid has
+        SPLIT_GRAIN=SPLIT_GRAIN, GROUP=triton.next_power_of_2(group),
+        MERGE_CHUNK=min(triton.next_power_of_2(num_splits), max(1, 8192 // (triton.next_power_of_2(group) * D))),
     )
     if not single and not fused:
         _flash_decode_combine[(B, Hq)](o_part, lse_part, out, out.stride(0), out.stride(1), Hq, num_splits,
