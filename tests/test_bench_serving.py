@@ -90,6 +90,35 @@ def test_throughput_without_peer():
     assert all(r["generated"] == r["output_len"] for r in res["requests"])
 
 
+def test_throughput_steps_the_engine_as_llm_generate_does(monkeypatch):
+    # An offline benchmark: every step returns only the finished requests (LLM.generate's stepping), not
+    # a streaming caller's output for every running request; the progress bar still counts every token.
+    calls, updates, real_step = [], [], serving.LLMEngine.step
+
+    def step(self, *args, **kwargs):
+        calls.append(kwargs.get("unfinished_outputs", args[0] if args else True))
+        return real_step(self, *args, **kwargs)
+
+    class Bar:
+        def __init__(self, total, **kw):
+            self.total = total
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n):
+            updates.append(n)
+
+    monkeypatch.setattr(serving.LLMEngine, "step", step)
+    monkeypatch.setattr("tqdm.auto.tqdm", Bar)
+    res = serving.throughput(TINY, num_requests=3, **SIZES, hf=False, device="cpu", progress=True)
+    assert calls and not any(calls)
+    assert sum(updates) == sum(r["output_len"] for r in res["requests"])
+
+
 def test_latency_fields_ratio_and_floor(seed):
     res = serving.latency(TINY, input_len=8, output_len=6, num_iters=2, seed=seed, device="cpu", progress=False)
     ours, peer = res["minillm"], res["hf"]

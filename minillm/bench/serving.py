@@ -109,11 +109,15 @@ def _run_all(engine: LLMEngine, requests, prefix: str, progress: bool, desc: str
 
     for i, (prompt, n) in enumerate(requests):
         engine.add_request(f"{prefix}{i}", {"prompt_token_ids": prompt}, _greedy(n))
-    done = {}
+    done, stats = {}, engine.engine_stats
     with tqdm(total=sum(n for _, n in requests), desc=desc, unit="tok", disable=not progress) as bar:
+        made = stats.num_generation_tokens
         while engine.has_unfinished_requests():
-            outs = engine.step()
-            bar.update(len(outs))  # n = 1: every request in the list got exactly one token
+            # as LLM.generate steps: only finished requests come back. A streaming caller's output for
+            # every running request at every step is its own cost, not the offline engine's.
+            outs = engine.step(unfinished_outputs=False)
+            bar.update(stats.num_generation_tokens - made)
+            made = stats.num_generation_tokens
             done.update((o.request_id, o) for o in outs if o.finished)
     return done
 
