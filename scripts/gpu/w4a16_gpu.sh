@@ -14,7 +14,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/w4a16-out}; LOGS=/tmp/w4a16-logs
 mkdir -p "$OUT" "$LOGS"
 trap 'tar czf "$OUT/logs.tgz" -C "$LOGS" .' EXIT
-PARTS=${PARTS:-tests sweep latency ncu}  # a subset, e.g. PARTS=latency: the end-to-end numbers alone
+PARTS=${PARTS:-tests sweep latency ncu}  # a subset, e.g. PARTS=latency: the end-to-end numbers alone; PARTS=stalls: ncu's warp-state sections
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; date -u;
   echo "commit ${MINILLM_COMMIT:-?}"; python -c "import torch, triton; print(torch.__version__, triton.__version__)"; } \
@@ -52,3 +52,7 @@ EOF
 has ncu && timeout 30 ncu -k regex:'w4a16_(gemv|swap)' --launch-skip 2 --launch-count 8 --metrics \
   gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active \
   python /tmp/w4a16_ncu.py > "$LOGS/ncu.log" 2>&1; echo "ncu rc=$?" >> "$LOGS/ncu.log"
+# stalls: what the swap kernel's warps wait on (issue 25: half its issue slots idle, DRAM at a fifth of peak)
+has stalls && timeout 90 ncu -k regex:'w4a16_swap' --launch-skip 2 --launch-count 2 --section WarpStateStats \
+  --section SourceCounters --section SchedulerStats --section MemoryWorkloadAnalysis \
+  python /tmp/w4a16_ncu.py > "$LOGS/ncu-stalls.log" 2>&1; echo "ncu stalls rc=$?" >> "$LOGS/ncu-stalls.log"
