@@ -13,6 +13,7 @@ into activation-dtype numbers in registers and multiplies at once:
         point; an integer zero point z (AWQ/GPTQ's convention, W = (q - z) * s) is mins = -z * s.
     int8, per output channel (W8A16): W[n, k] = q[n, k] * scales[n],  q in -127..127
     int8, group size G (GGUF's Q8_0, G = 32): W[n, k] = q[n, k] * scales[n, k // G]
+    fp8 e4m3, per output channel (w8a16_fp8.py): W[n, k] = e4m3(q[n, k]) * scales[n], q the code's byte
 
 The tile loop is an ordinary tiled GEMM (fp32 accumulator, tl.dot) whose B tile is made, not loaded:
   - int4: each K tile lies inside one group (BLOCK_K divides G), so a tile needs one scale and one
@@ -57,7 +58,7 @@ from .flash_attn import dot
 from .flash_decode import sm_count
 from .w4a16_gemv import w4a16_gemv
 from .w4a16_swap import swap_supports, w4a16_swap
-from .wna16_dequant import dequant_matmul, nibble_to_f32
+from .wna16_dequant import dequant_matmul, e4m3_to_f16, nibble_to_f32
 
 DECODE_M = 16  # up to this many rows: the decode tiles (one row of M, split-K)
 GEMV_M = 0  # up to this many rows (at most w4a16_gemv.MAX_ROWS): the GEMV; 0 = off (no faster yet)
@@ -69,7 +70,7 @@ def _wna16_kernel(
     X, QW, S, Mins, Y,  # x [M, K]; qweight [N, K/2] u8 or [N, K] i8; scales, mins [N, K/G] (int8: [N] or [N, K/G])
     M, N, K, group_size, k_per_split,  # k_per_split: K columns per split-K slice, a multiple of BLOCK_K
     stride_xm, stride_qn, stride_sn, stride_ym, stride_ysplit,
-    WEIGHT_BITS: tl.constexpr, GROUPED_8: tl.constexpr, IEEE: tl.constexpr,
+    WEIGHT_BITS: tl.constexpr, GROUPED_8: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -104,14 +105,16 @@ def _wna16_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
             k_ok = offs_k < K  # the last tile may overhang K
             x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-            q = tl.load(w_cols + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0)  # int8
+            q = tl.load(w_cols + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0)  # int8 or e4m3 codes
+            if FP8:  # the codes' values: exact in fp16, and again in x's dtype (3 mantissa bits, 2^-9..448)
+                q = e4m3_to_f16(q)
             if GROUPED_8:  # this tile's group scale, per column, on this tile's partial sum
                 s = tl.load(S + offs_n * stride_sn + k0 // group_size, mask=n_ok, other=0.0).to(tl.float32)
                 acc += dot(x, q.to(x.dtype), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * s[None, :]
             else:
                 acc = dot(x, q.to(x.dtype), acc, IEEE)  # the channel scale comes after the sum
     if WEIGHT_BITS == 8 and not GROUPED_8:
-        acc *= tl.load(S + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc *= tl.load(S + offs_n * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[None, :]  # stride 0: per tensor
     y = Y + split.to(tl.int64) * stride_ysplit + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -146,7 +149,7 @@ def choose_tiles(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, de
     return bm, bn, bk, split_k, warps, stages
 
 
-def _launch(x, qweight, scales, mins, group_size, bits: int, split_k):
+def _launch(x, qweight, scales, mins, group_size, bits: int, split_k, fp8: bool = False):
     M, K = x.shape
     N = qweight.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -166,7 +169,7 @@ def _launch(x, qweight, scales, mins, group_size, bits: int, split_k):
         x, qweight, scales, mins if mins is not None else scales, out,
         M, N, K, group_size, k_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), N, M * N,
-        WEIGHT_BITS=bits, GROUPED_8=bits == 8 and scales.dim() == 2, IEEE=x.dtype == torch.float32,
+        WEIGHT_BITS=bits, GROUPED_8=bits == 8 and scales.dim() == 2, FP8=fp8, IEEE=x.dtype == torch.float32,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
     )
     if split_k > 1:

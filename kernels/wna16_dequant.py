@@ -10,6 +10,7 @@ which a long prompt amortizes; AutoAWQ and vLLM's AWQ path make the same switch 
 
     int4:  W[n, k] = q * scales[n, k // G] + mins[n, k // G]   (the layout of w4a16.py)
     int8:  W[n, k] = q * scales[n]  or  q * scales[n, k // G]
+    fp8:   W[n, k] = e4m3(q) * scales[n]        (q: the e4m3 code's byte, decoded by e4m3_to_f16)
 
 The dequantized values are computed exactly as the references compute them (fp32 multiply-add,
 rounded once to the output dtype), so the weight cuBLAS sees is the weight the reference sees.
@@ -34,10 +35,29 @@ def nibble_to_f32(q):
 
 
 @triton.jit
+def e4m3_to_f16(code):
+    """uint8 fp8 e4m3 codes -> their values in float16, exactly, with integer ops and one multiply.
+
+    Integer ops, not a float8 load and cast: Triton converts float8 only on GPUs with FP8 units
+    (compute capability >= 8.9), and the fp8 weight-only path is for older GPUs too. e4m3 is
+    s eeee mmm (bias 7); fp16 is s eeeee mmmmmmmmmm (bias 15). Shifted left by 7, eeee becomes fp16's
+    exponent field (its top bit 0) and mmm the top of its mantissa: the pattern reads 2^(e - 15) (1 + m/8),
+    or for e = 0 the fp16 subnormal m 2^-17, both exactly 2^-8 times the e4m3 value. One multiply by 2^8
+    finishes, exactly: every result (2^-9 to 448) is a normal fp16, and fp16 subnormals are not flushed.
+    e4m3 ("fn") has no infinities; s 1111 111 (0x7F, 0xFF) is NaN, which the pattern alone would read
+    as 480."""
+    c = code.to(tl.int32)  # [...] 0..255
+    mag = c & 0x7F  # eeee mmm
+    h = ((c & 0x80) << 8) | (mag << 7)  # sign to bit 15, eeee mmm to bits 13..7
+    h = tl.where(mag == 0x7F, 0x7E00, h)  # fp16's NaN
+    return h.to(tl.int16).to(tl.float16, bitcast=True) * 256.0  # the low 16 bits, read as fp16
+
+
+@triton.jit
 def _dequant_kernel(
     QW, S, Mins, W,  # qweight [N, K/2] u8 or [N, K] i8; scales/mins [N, K/G] or [N]; W out [N, K]
     N, K, group_size, stride_qn, stride_sn,
-    WEIGHT_BITS: tl.constexpr, PER_CHANNEL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    WEIGHT_BITS: tl.constexpr, PER_CHANNEL: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows
     n_ok = offs_n < N
@@ -59,17 +79,19 @@ def _dequant_kernel(
     else:
         offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         ok = n_ok[:, None] & (offs_k < K)[None, :]
-        q = tl.load(QW + rows * stride_qn + offs_k[None, :], mask=ok, other=0).to(tl.float32)
-        if PER_CHANNEL:
-            s = tl.load(S + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]  # [BLOCK_N, 1]
+        q = tl.load(QW + rows * stride_qn + offs_k[None, :], mask=ok, other=0)  # int8, or e4m3 codes (uint8)
+        q = e4m3_to_f16(q).to(tl.float32) if FP8 else q.to(tl.float32)
+        if PER_CHANNEL:  # stride_sn 0: one scale for the whole tensor, broadcast
+            s = tl.load(S + offs_n * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[:, None]  # [BLOCK_N, 1]
         else:
             s = tl.load(S + rows * stride_sn + (offs_k // group_size)[None, :], mask=ok, other=0.0).to(tl.float32)
         tl.store(W + rows * K + offs_k[None, :], (q * s).to(W.dtype.element_ty), mask=ok)
 
 
 def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
-                      bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """The [N, K] weight in `dtype`, written by one kernel (arguments checked by the caller, w4a16.py)."""
+                      bits: int, dtype: torch.dtype, fp8: bool = False) -> torch.Tensor:
+    """The [N, K] weight in `dtype`, written by one kernel (arguments checked by the caller, w4a16.py or
+    w8a16_fp8.py; fp8: qweight holds e4m3 codes as uint8)."""
     N = qweight.shape[0]
     K = qweight.shape[1] * (2 if bits == 4 else 1)
     w = torch.empty((N, K), dtype=dtype, device=qweight.device)
@@ -79,11 +101,11 @@ def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.T
     grid = (triton.cdiv(N, bn), triton.cdiv(K, bk))
     _dequant_kernel[grid](qweight, scales, mins if mins is not None else scales, w, N, K, group_size,
                           qweight.stride(0), scales.stride(0),
-                          WEIGHT_BITS=bits, PER_CHANNEL=scales.dim() == 1, BLOCK_N=bn, BLOCK_K=bk)
+                          WEIGHT_BITS=bits, PER_CHANNEL=scales.dim() == 1, FP8=fp8, BLOCK_N=bn, BLOCK_K=bk)
     return w
 
 
 def dequant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                   group_size: int, bits: int) -> torch.Tensor:
+                   group_size: int, bits: int, fp8: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] with W dequantized to x's dtype first (the prefill path)."""
-    return F.linear(x, dequantize_weight(qweight, scales, mins, group_size, bits, x.dtype))
+    return F.linear(x, dequantize_weight(qweight, scales, mins, group_size, bits, x.dtype, fp8))

@@ -1,6 +1,7 @@
-"""FP8 W8A8 (chapter 08): the activation quantization kernel against PyTorch (interpreter on a CPU,
+"""FP8 (chapter 08): the activation quantization kernel against PyTorch (interpreter on a CPU,
 natively on a GPU), the layers against the full-precision layers (SQNR >= 20 dB), the reference GEMM
-against torch._scaled_mm's math, LLM(quantization="fp8") and the clear errors where FP8 is missing.
+against torch._scaled_mm's math, LLM(quantization="fp8"), weight-only where FP8 GEMMs are missing.
+The weight-only kernel: test_kernels_w8a16_fp8.py; which path runs at which M: test_fp8_dispatch.py.
 
 On a CPU the layers run the explicit reference (`emulate=True`); torch._scaled_mm itself runs where
 PyTorch has it (a CPU build of 2.6+ has a software one; an FP8 GPU), so the reference is held to it.
@@ -20,7 +21,7 @@ from minillm.kernels.quant_fp8 import (
 )
 from minillm.layers import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from minillm.layers.quantization import Fp8Config, get_quantization_config
-from minillm.layers.quantization.fp8 import fp8_gemm, fp8_gemm_ref, quantize_weight_fp8
+from minillm.layers.quantization.fp8 import WEIGHT_ONLY_MAX_M, fp8_gemm, fp8_gemm_ref, quantize_weight_fp8
 from minillm.layers.quantization.utils import sqnr
 from minillm.loader import load_model
 from minillm.models.utils import process_weights_after_loading
@@ -127,7 +128,8 @@ def _layers(qc):
 
 @pytest.mark.parametrize("weight_scale", ["per_channel", "per_tensor"])
 @pytest.mark.parametrize("activation_scale", ["per_token", "per_tensor"])
-def test_each_layer_is_within_20_db_of_full_precision(g, weight_scale, activation_scale):
+@pytest.mark.parametrize("M", [3, 19])  # weight-only, W8A8
+def test_each_layer_is_within_20_db_of_full_precision(g, weight_scale, activation_scale, M):
     """torchao's oracle: the quantized layer's output vs the full-precision layer's, SQNR >= 20 dB."""
     qc = Fp8Config(weight_scale, activation_scale, emulate=not FP8_GPU)
     dtype = torch.bfloat16 if FP8_GPU else torch.float32
@@ -143,21 +145,24 @@ def test_each_layer_is_within_20_db_of_full_precision(g, weight_scale, activatio
         assert layer.weight.dtype == FP8 and layer.weight_scale.dtype == torch.float32
         assert layer.weight_scale.shape == ((layer.weight.shape[0],) if weight_scale == "per_channel" else ())
         w = torch.cat([w for _, w, _ in parts]).float()
-        x = rand(g, 19, K, dtype=dtype)
+        x = rand(g, M, K, dtype=dtype)
         with torch.inference_mode():
             y = layer(x).float() - (torch.cat([b for _, _, b in parts]).float() if layer.bias is not None else 0)
         db = sqnr(x.float() @ w.T, y)
         assert db >= 20, (type(layer).__name__, db)
 
 
-def test_the_emulated_layer_is_its_own_dequantized_matmul(g):
+@pytest.mark.parametrize("M", [5, WEIGHT_ONLY_MAX_M + 1])
+def test_the_emulated_layer_is_its_own_dequantized_matmul(g, M):
+    """Up to WEIGHT_ONLY_MAX_M rows x as it is (weight-only), above it x quantized per token (W8A8)."""
     layer = ReplicatedLinear(64, 32, bias=False, quant_config=Fp8Config(emulate=True))
     w = torch.randn(32, 64, generator=g)
     layer.weight.weight_loader(layer.weight, w)
     process_weights_after_loading(layer)
-    x = torch.randn(5, 64, generator=g)
+    x = torch.randn(M, 64, generator=g)
     q_x, s_x = scaled_fp8_quant_ref(x)
-    want = (q_x.float() * s_x) @ (layer.weight.float() * layer.weight_scale[:, None]).T
+    x_seen = x if M <= WEIGHT_ONLY_MAX_M else q_x.float() * s_x
+    want = x_seen @ (layer.weight.float() * layer.weight_scale[:, None]).T
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
 
 
@@ -167,11 +172,8 @@ TINY = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermed
                    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128)
 
 
-def test_fp8_needs_fp8_hardware_or_an_explicit_reference():
+def test_fp8_config_errors():
     assert isinstance(get_quantization_config("fp8"), Fp8Config)
-    if not FP8_GPU:
-        with pytest.raises(ValueError, match=r"needs .*FP8 matrix units.*emulate"):
-            load_model(TINY, load_format="dummy", quantization="fp8", device=DEVICE)
     with pytest.raises(ValueError, match="fp8 weight_scale must be one of per_channel, per_tensor, not 'per_group'"):
         get_quantization_config({"method": "fp8", "weight_scale": "per_group"})
     with pytest.raises(ValueError, match="activation_scale must be one of per_token, per_tensor"):
@@ -180,17 +182,10 @@ def test_fp8_needs_fp8_hardware_or_an_explicit_reference():
         get_quantization_config({"method": "fp8", "block_size": 128})
 
 
-def test_fp8_on_a_gpu_without_fp8_units_is_refused(monkeypatch):
-    from minillm.layers.quantization.fp8 import check_fp8_gemm_device
-
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
-    with pytest.raises(ValueError, match=r"FP8 matrix units .*A100-SXM4-80GB has 8.0 .*emulate"):
-        check_fp8_gemm_device(torch.device("cuda"))
-
-
-def test_an_fp8_model_tracks_the_full_precision_model(seed):
-    spec = "fp8" if FP8_GPU else {"method": "fp8", "emulate": True}
+@pytest.mark.parametrize("emulate", [False, True])
+def test_an_fp8_model_tracks_the_full_precision_model(seed, emulate):
+    """Without FP8 matrix units (a CPU), emulate=False is weight-only at every M: no longer refused."""
+    spec = {"method": "fp8", "emulate": emulate}
     dtype = torch.bfloat16 if FP8_GPU else torch.float32
     q_model, _, _ = load_model(TINY, load_format="dummy", quantization=spec, device=DEVICE, dtype=dtype)
     full, _, _ = load_model(TINY, load_format="dummy", device=DEVICE, dtype=dtype)  # the same seeded weights

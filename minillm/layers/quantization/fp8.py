@@ -1,4 +1,4 @@
-"""FP8 W8A8: weights *and* activations in fp8 e4m3, multiplied by the GPU's FP8 tensor cores.
+"""FP8: weights in fp8 e4m3; at large M the activations too (W8A8, the GPU's FP8 tensor cores).
 
     LLM(quantization="fp8")                                            # per-channel weights, per-token activations
     LLM(quantization={"method": "fp8", "weight_scale": "per_tensor", "activation_scale": "per_tensor"})
@@ -14,13 +14,24 @@ compute-bound GEMM (prefill, big batches) can run up to 2x faster, and the weigh
 
 torch._scaled_mm does the last line in one cuBLAS(Lt) call on GPUs with FP8 matrix units (compute
 capability >= 8.9: Ada, Hopper); the activation quantization is minillm's Triton kernel
-(kernels/quant_fp8.py). Elsewhere there is no fast path, and a silently slow one would be worse than an
-error, so a CPU or an older GPU gets a ValueError at load time, unless the caller asks for the
-reference explicitly with `emulate=True`: the same quantization, then dequantize -> matmul in fp32,
-which is what the tests run on a CPU and what _scaled_mm is checked against on a GPU.
+(kernels/quant_fp8.py).
+
+That pays only where the GEMM is compute-bound. A decode step's few rows make it memory-bound: the
+time is the weight's bytes, one per weight with or without fp8 activations, and quantizing x is one
+more kernel. So up to WEIGHT_ONLY_MAX_M rows the layer runs weight-only instead: the same fp8 weight,
+x kept in bf16/fp16, each weight tile decoded to x's dtype in registers (kernels/w8a16_fp8.py).
+That path needs no FP8 matrix units, so a CPU or an older GPU (A100) runs fp8 mode as weight-only at
+every M (above the threshold: the weight dequantized once, then a bf16 matmul, as int8 prefill does),
+with a warning, as vLLM runs FP8 checkpoints on Ampere. `emulate=True` asks for the plain-PyTorch
+references of both paths (weight-only up to the threshold, W8A8 with dequantize -> fp32 matmul above):
+an FP8 GPU's arithmetic on any device, what the tests run on a CPU and what the kernels are checked
+against on a GPU.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 
@@ -31,23 +42,37 @@ from ...kernels.quant_fp8 import (
     scaled_fp8_quant,
     scaled_fp8_quant_ref,
 )
+from ...kernels.w8a16_fp8 import fp8_w8a16_gemm, fp8_w8a16_gemm_ref
 from .weight_only import WeightOnlyConfig, WeightOnlyLinearMethod
 
 SCALES = ("per_channel", "per_tensor")  # weights; activations: "per_token" or "per_tensor"
 ACT_SCALES = ("per_token", "per_tensor")
 
+# Up to this many rows (tokens) per GEMM: weight-only (fp8 weights, bf16/fp16 x); above: W8A8
+# (_scaled_mm). PROVISIONAL, not a measurement: no GPU was available when this was written, so 16
+# is the decode range where the W8A16 tiles run (kernels/w4a16.py DECODE_M), the case where the extra
+# quantize kernel and the FP8 GEMM are least likely to win. Replace it with the crossover that
+# scripts/gpu/fp8_crossover.py measures (bf16 cuBLAS vs weight-only vs W8A8, Llama-3-8B shapes).
+# Between DECODE_M and this threshold the weight-only path is dequantize-then-cuBLAS (w8a16_fp8.py).
+WEIGHT_ONLY_MAX_M = 16
 
-def check_fp8_gemm_device(device: torch.device) -> None:
-    """torch._scaled_mm's FP8 GEMM: a CUDA GPU of compute capability >= 8.9."""
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def has_fp8_gemm(device: torch.device) -> bool:
+    """torch._scaled_mm's FP8 GEMM: a CUDA GPU of compute capability >= 8.9 (Ada, Hopper)."""
     device = torch.device(device)
-    hint = "(for the slow reference path, e.g. in tests: quantization={'method': 'fp8', 'emulate': True})"
-    if device.type != "cuda":
-        raise ValueError(f"quantization='fp8' needs a CUDA GPU with FP8 matrix units (compute capability >= 8.9), "
-                         f"not {device.type} {hint}")
-    cap = torch.cuda.get_device_capability(device)
-    if cap < (8, 9) or not hasattr(torch, "_scaled_mm"):
-        raise ValueError(f"quantization='fp8' needs FP8 matrix units (compute capability >= 8.9: Ada, Hopper); "
-                         f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]} {hint}")
+    return (device.type == "cuda" and hasattr(torch, "_scaled_mm")
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+@functools.cache
+def warn_weight_only(device: torch.device) -> None:
+    """Once per device: fp8 mode without FP8 matrix units is weight-only (large M: dequantize, then matmul)."""
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    logger.warning("quantization='fp8' on %s (no FP8 matrix units: compute capability < 8.9 or no CUDA): "
+                   "weight-only, the fp8 weights multiply bf16/fp16 activations at every batch size", where)
 
 
 def quantize_weight_fp8(w: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,18 +125,20 @@ class Fp8Config(WeightOnlyConfig):
 
 
 class Fp8LinearMethod(WeightOnlyLinearMethod):
-    """weight fp8 e4m3 [N, K] with weight_scale fp32 ([N] or []) (vLLM's names); activations quantized
-    per call; y = _scaled_mm(...) (+ b)."""
+    """weight fp8 e4m3 [N, K] with weight_scale fp32 ([N] or []) (vLLM's names). Up to WEIGHT_ONLY_MAX_M
+    rows y = x (e4m3(W) s_w)^T, x as it is; above, where the device has an FP8 GEMM (or emulate),
+    activations quantized per call and y = _scaled_mm(...); (+ b)."""
 
     def __init__(self, config: Fp8Config):
         self.config = config
 
     def quantize(self, weight, layer=None):
-        if not self.config.emulate:
-            check_fp8_gemm_device(weight.device)
+        if not self.config.emulate and has_fp8_gemm(weight.device):
             N, K = weight.shape
-            if N % 16 or K % 16:  # cuBLAS's FP8 GEMM wants 16-aligned dims
+            if N % 16 or K % 16:  # cuBLAS's FP8 GEMM (the W8A8 path at large M) wants 16-aligned dims
                 raise ValueError(f"quantization='fp8' needs a weight's dims to be multiples of 16, got [{N}, {K}]")
+        elif not self.config.emulate:
+            warn_weight_only(weight.device)
         q, scale = quantize_weight_fp8(weight, self.config.weight_scale == "per_channel")
         return {"weight": q, "weight_scale": scale}
 
@@ -120,8 +147,12 @@ class Fp8LinearMethod(WeightOnlyLinearMethod):
             super().process_weights_after_loading(layer)
 
     def matmul(self, layer, x, triton):
+        emulate = self.config.emulate
+        if x.shape[0] <= WEIGHT_ONLY_MAX_M or not (emulate or has_fp8_gemm(x.device)):
+            gemm = fp8_w8a16_gemm if triton and not emulate else fp8_w8a16_gemm_ref
+            return gemm(x, layer.weight, layer.weight_scale)  # [M, N], x never quantized
         per_token = self.config.activation_scale == "per_token"
-        if self.config.emulate:
+        if emulate:
             q_x, s_x = scaled_fp8_quant_ref(x, per_token=per_token)  # [M, K] fp8, [M, 1] or []
             return fp8_gemm_ref(q_x, s_x, layer.weight, layer.weight_scale, x.dtype)
         q_x, s_x = scaled_fp8_quant(x, per_token=per_token)  # one Triton launch (+ an amax per tensor)
