@@ -107,7 +107,7 @@ def _wna16_kernel(
             x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
             q = tl.load(w_cols + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0)  # int8 or e4m3 codes
             if FP8:  # the codes' values: exact in fp16, and again in x's dtype (3 mantissa bits, 2^-9..448)
-                q = e4m3_to_f16(q)
+                q = e4m3_to_f16(q, FP8 == 2)  # 2: FP8_CVT (wna16_dequant.py)
             if GROUPED_8:  # this tile's group scale, per column, on this tile's partial sum
                 s = tl.load(S + offs_n * stride_sn + k0 // group_size, mask=n_ok, other=0.0).to(tl.float32)
                 acc += dot(x, q.to(x.dtype), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * s[None, :]
@@ -149,7 +149,7 @@ def choose_tiles(M: int, N: int, K: int, group_size: int, dtype: torch.dtype, de
     return bm, bn, bk, split_k, warps, stages
 
 
-def _launch(x, qweight, scales, mins, group_size, bits: int, split_k, fp8: bool = False):
+def _launch(x, qweight, scales, mins, group_size, bits: int, split_k, fp8: int = 0):
     M, K = x.shape
     N = qweight.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)

@@ -12,8 +12,11 @@ value is exact in bf16 and in fp16), the tile's dot sums in fp32, and the channe
 the finished sum. No activation quantization, and no FP8 matrix units: an A100 runs it too.
 
 The kernel is w4a16.py's 8-bit kernel with FP8 on; the codes travel as their bytes (a uint8 view, no
-copy) and e4m3_to_f16 (wna16_dequant.py) decodes them. Above DECODE_M rows the weight is dequantized
-once and cuBLAS multiplies, as for int8. The reference dequantizes the whole weight and multiplies.
+copy) and e4m3_to_f16 (wna16_dequant.py) decodes them: with the GPU's conversion instruction where it
+has one (compute capability >= 8.9), else with integer ops (about ten a weight: on an H100 at M = 1
+that may cost more than the byte's load; scripts/gpu/fp8_crossover.py times both). Above DECODE_M rows
+the weight is dequantized once and cuBLAS multiplies, as for int8. The reference dequantizes the
+whole weight and multiplies.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch.nn.functional as F
 from ..checks import check_int
 from .checks import FLOAT_DTYPES, INTERPRET, check_device, check_float_tensor, check_tensor
 from .w4a16 import DECODE_M, _launch
-from .wna16_dequant import dequant_matmul
+from .wna16_dequant import FP8_BITS, FP8_CVT, dequant_matmul
 
 FP8 = torch.float8_e4m3fn
 K_TILE = 256  # the "group" the 8-bit tiles see: per channel, one group spans the row (as w8a16_gemm)
@@ -64,21 +67,25 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 
 
 def fp8_w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
-                   split_k: int | None = None) -> torch.Tensor:
+                   split_k: int | None = None, cvt: bool | None = None) -> torch.Tensor:
     """x [M, K] @ (e4m3(weight) * scale)^T -> [M, N] in x's dtype. weight float8_e4m3fn [N, K], scale fp32
     [N] or []. Up to DECODE_M rows (or with split_k given) the W8A16 tiles, the weight never dequantized in
-    memory; above, the prefill path (the weight dequantized once, then cuBLAS)."""
+    memory; above, the prefill path (the weight dequantized once, then cuBLAS). cvt: decode the codes
+    with the GPU's instruction (True) or integer ops (False); None: the instruction where there is one."""
     _check(x, weight, scale, strict=True, split_k=split_k)
+    if cvt is None:
+        cvt = x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    fp8 = FP8_CVT if cvt else FP8_BITS
     codes = weight.view(torch.uint8)  # [N, K]: the bytes, decoded in the kernel (any GPU, and the interpreter)
     scales = scale.reshape(-1).expand(weight.shape[0])  # [N]; a per-tensor scale is read at stride 0
     if split_k is None and x.shape[0] > DECODE_M:
-        return dequant_matmul(x, codes, scales, None, K_TILE, 8, fp8=True)
+        return dequant_matmul(x, codes, scales, None, K_TILE, 8, fp8=fp8)
     if INTERPRET and x.dtype == torch.bfloat16:
         # The interpreter's bf16 tl.dot is wrong (w4a16._check). A bf16 times an e4m3 value is exact in
         # fp32, so fp32 operands with an IEEE dot are the GPU's bf16 arithmetic (exact products, fp32
         # sums), rounded once to bf16 at the end as the kernel's store does.
-        return _launch(x.float(), codes, scales, None, K_TILE, 8, split_k, fp8=True).to(x.dtype)
-    return _launch(x, codes, scales, None, K_TILE, 8, split_k, fp8=True)
+        return _launch(x.float(), codes, scales, None, K_TILE, 8, split_k, fp8=fp8).to(x.dtype)
+    return _launch(x, codes, scales, None, K_TILE, 8, split_k, fp8=fp8)
 
 
 def fp8_w8a16_gemm_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,

@@ -34,18 +34,25 @@ def nibble_to_f32(q):
     return (q.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
-@triton.jit
-def e4m3_to_f16(code):
-    """uint8 fp8 e4m3 codes -> their values in float16, exactly, with integer ops and one multiply.
+FP8_BITS = 1  # fp8 argument of the kernels: e4m3 codes decoded with integer ops (any GPU, the interpreter)
+FP8_CVT = 2  # ... converted by the GPU's own instruction (compute capability >= 8.9)
 
-    Integer ops, not a float8 load and cast: Triton converts float8 only on GPUs with FP8 units
-    (compute capability >= 8.9), and the fp8 weight-only path is for older GPUs too. e4m3 is
+
+@triton.jit
+def e4m3_to_f16(code, CVT: tl.constexpr):
+    """uint8 fp8 e4m3 codes -> their values in float16, exactly.
+
+    CVT: the code's byte reinterpreted as float8 and converted by the GPU (one instruction per two
+    codes), which Triton lowers only for GPUs with FP8 units (compute capability >= 8.9). Otherwise
+    integer ops and one multiply, for the older GPUs the fp8 weight-only path also serves. e4m3 is
     s eeee mmm (bias 7); fp16 is s eeeee mmmmmmmmmm (bias 15). Shifted left by 7, eeee becomes fp16's
     exponent field (its top bit 0) and mmm the top of its mantissa: the pattern reads 2^(e - 15) (1 + m/8),
     or for e = 0 the fp16 subnormal m 2^-17, both exactly 2^-8 times the e4m3 value. One multiply by 2^8
     finishes, exactly: every result (2^-9 to 448) is a normal fp16, and fp16 subnormals are not flushed.
     e4m3 ("fn") has no infinities; s 1111 111 (0x7F, 0xFF) is NaN, which the pattern alone would read
     as 480."""
+    if CVT:
+        return code.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     c = code.to(tl.int32)  # [...] 0..255
     mag = c & 0x7F  # eeee mmm
     h = ((c & 0x80) << 8) | (mag << 7)  # sign to bit 15, eeee mmm to bits 13..7
@@ -80,7 +87,7 @@ def _dequant_kernel(
         offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         ok = n_ok[:, None] & (offs_k < K)[None, :]
         q = tl.load(QW + rows * stride_qn + offs_k[None, :], mask=ok, other=0)  # int8, or e4m3 codes (uint8)
-        q = e4m3_to_f16(q).to(tl.float32) if FP8 else q.to(tl.float32)
+        q = e4m3_to_f16(q, FP8 == 2).to(tl.float32) if FP8 else q.to(tl.float32)  # FP8: 0, FP8_BITS or FP8_CVT
         if PER_CHANNEL:  # stride_sn 0: one scale for the whole tensor, broadcast
             s = tl.load(S + offs_n * stride_sn, mask=n_ok, other=0.0).to(tl.float32)[:, None]  # [BLOCK_N, 1]
         else:
@@ -89,9 +96,9 @@ def _dequant_kernel(
 
 
 def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
-                      bits: int, dtype: torch.dtype, fp8: bool = False) -> torch.Tensor:
+                      bits: int, dtype: torch.dtype, fp8: int = 0) -> torch.Tensor:
     """The [N, K] weight in `dtype`, written by one kernel (arguments checked by the caller, w4a16.py or
-    w8a16_fp8.py; fp8: qweight holds e4m3 codes as uint8)."""
+    w8a16_fp8.py; fp8 FP8_BITS or FP8_CVT: qweight holds e4m3 codes as uint8, decoded that way)."""
     N = qweight.shape[0]
     K = qweight.shape[1] * (2 if bits == 4 else 1)
     w = torch.empty((N, K), dtype=dtype, device=qweight.device)
@@ -106,6 +113,6 @@ def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.T
 
 
 def dequant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                   group_size: int, bits: int, fp8: bool = False) -> torch.Tensor:
+                   group_size: int, bits: int, fp8: int = 0) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] with W dequantized to x's dtype first (the prefill path)."""
     return F.linear(x, dequantize_weight(qweight, scales, mins, group_size, bits, x.dtype, fp8))

@@ -3,7 +3,9 @@
 the crossover that layers/quantization/fp8.py's WEIGHT_ONLY_MAX_M (provisional, 16) should be.
 
 Per shape and M: cuBLAS bf16 (F.linear); fp8 weight-only as fp8_w8a16_gemm runs it (wo_us: the W8A16
-tiles with the e4m3 decode up to DECODE_M rows, dequantize-then-cuBLAS above); the tiles forced
+tiles with the e4m3 decode up to DECODE_M rows, dequantize-then-cuBLAS above); at M <= DECODE_M the
+tiles with the integer decode instead of the GPU's cvt (wo_bits_us: what an A100 runs, and whether
+the ten integer ops a weight cost an H100 its memory-bound speed); the tiles forced
 above DECODE_M (wo_tiles_us, M <= 256: whether they beat the dequantization there); W8A8 as fp8 mode
 runs it above the threshold (w8a8_us: minillm's per-token activation quantization + torch._scaled_mm,
 per-channel weight scales) and its GEMM alone (w8a8_gemm_us, x quantized beforehand). Timing is
@@ -61,6 +63,8 @@ def main():
             row = {"layer": name, "N": N, "K": K, "M": M, "wo_vs_ref_err": err}
             row["bf16_us"] = time_us([lambda w=w: F.linear(x, w) for w in w16])
             row["wo_us"] = time_us([lambda w=w: fp8_w8a16_gemm(x, *w) for w in w8])
+            if M <= DECODE_M:
+                row["wo_bits_us"] = time_us([lambda w=w: fp8_w8a16_gemm(x, *w, cvt=False) for w in w8])
             if DECODE_M < M <= 256:
                 row["wo_tiles_us"] = time_us([lambda w=w: fp8_w8a16_gemm(x, *w, split_k=1) for w in w8])
             row["w8a8_us"] = time_us([lambda w=w: fp8_gemm(*scaled_fp8_quant(x), *w, x.dtype) for w in w8])
