@@ -73,8 +73,10 @@ def fp8_w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *
     memory; above, the prefill path (the weight dequantized once, then cuBLAS). cvt: decode the codes
     with the GPU's instruction (True) or integer ops (False); None: the instruction where there is one."""
     _check(x, weight, scale, strict=True, split_k=split_k)
-    if cvt is None:
-        cvt = x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    has_cvt = not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 9)  # off a GPU: the interpreter
+    if cvt and not has_cvt:  # a clear error, not Triton's failure to lower the conversion
+        raise ValueError("cvt=True needs a GPU of compute capability >= 8.9 (FP8 units): use cvt=False or None")
+    cvt = x.is_cuda and has_cvt if cvt is None else cvt
     fp8 = FP8_CVT if cvt else FP8_BITS
     codes = weight.view(torch.uint8)  # [N, K]: the bytes, decoded in the kernel (any GPU, and the interpreter)
     scales = scale.reshape(-1).expand(weight.shape[0])  # [N]; a per-tensor scale is read at stride 0
