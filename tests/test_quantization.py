@@ -9,6 +9,7 @@ itself unquantized (logits SQNR, greedy tokens); the engine's batched = alone wi
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -72,8 +73,8 @@ def test_quantization_names_and_options():
     ("int3", ValueError, "quantization must be None or one of 'int8', 'int4', .*'gguf'.*, not 'int3'"),
     ({"method": "int4", "group_size": 100}, ValueError, "'int4' group_size must be one of 32, 64, 128, not 100"),
     ({"method": "int4", "group_size": True}, ValueError, "group_size must be one of"),
-    ({"method": "int4", "groups": 64}, ValueError, r"'int4' has no option 'groups' \(its options: group_size\)"),
-    ({"method": "int8", "group_size": 64}, ValueError, r"'int8' has no option 'group_size' \(its options: none\)"),
+    ({"method": "int4", "groups": 64}, ValueError, r"'int4' has no option 'groups' \(its options: group_size, lm_head\)"),
+    ({"method": "int8", "group_size": 64}, ValueError, r"'int8' has no option 'group_size' \(its options: lm_head\)"),
     ({"group_size": 64}, ValueError, "a quantization dict needs a 'method'"),
     (8, TypeError, "quantization must be None, a method name"),
 ])
@@ -199,14 +200,15 @@ def greedy_runs(smollm_fp32):
 
 
 def test_smollm2_int8_keeps_the_greedy_tokens(smollm_fp32, greedy_runs):
-    """int8 moves SmolLM2's logits by ~3 % (SQNR 29-33 dB over 30 layers, measured), enough to flip
-    near-ties only: fed the unquantized model's greedy tokens, the int8 model picks the same token
-    wherever the unquantized model's best beat its second by >= 1 logit (int8 moved that gap by at
-    most 0.7 on these prompts). Free-running, 3 of the 8 prompts keep all 24 tokens and 5 keep 16;
-    the others part at a gap of 0.04-0.35."""
+    """int8 (30 layers and the tied int8 LM head) moves SmolLM2's logits by ~3 % (SQNR 27.7-32.1 dB,
+    measured; 28.3-32.4 with lm_head="none"), enough to flip near-ties only: fed the unquantized model's
+    greedy tokens, the int8 model picks the same token wherever the unquantized model's best beat its
+    second by >= 1 logit (int8 moved that gap by at most 0.62 on these prompts). Free-running, 3 of the
+    8 prompts keep all 24 tokens and 4 keep 16 (5 with lm_head="none"); the others part at near-ties."""
     llm = LLM(dtype="float32", device="cpu", quantization="int8")
-    layer = llm.model.model.layers[0].mlp.down_proj
-    assert layer.qweight.dtype == torch.int8 and llm.model.lm_head.weight.dtype == torch.float32
+    layer, head = llm.model.model.layers[0].mlp.down_proj, llm.model.lm_head
+    assert layer.qweight.dtype == torch.int8 and head.qweight.dtype == torch.int8  # the LM head too (lm_head.py)
+    assert head.qweight is llm.model.model.embed_tokens.qweight  # tied: one int8 table
     for ids, out in greedy_runs:
         full = ids + out
         want, got = _logits(smollm_fp32.model, full), _logits(llm.model, full)
@@ -229,13 +231,16 @@ def test_smollm2_int4(smollm_fp32, greedy_runs):
     that grid again (the same weights, to fp32 rounding); group 64 must cover two Q4_1 ranges with one
     and is far coarser (logits SQNR 8-15 dB, measured). Group 128 does not divide SmolLM2's 576: left
     unset, each layer takes the largest group that divides its inputs (64 there, 128 on down_proj)."""
-    g32, _, _ = load_model(None, quantization={"method": "int4", "group_size": 32}, tokenizer=False)
+    # lm_head="none": the embedding stays the file's Q8_0 table dequantized, as the reference model's
+    g32, _, _ = load_model(None, quantization={"method": "int4", "group_size": 32, "lm_head": "none"}, tokenizer=False)
+    g32_head, _, _ = load_model(None, quantization={"method": "int4", "group_size": 32}, tokenizer=False)
     g64, _, _ = load_model(None, quantization={"method": "int4", "group_size": 64}, tokenizer=False)
     llm = LLM(dtype="float32", device="cpu", quantization="int4")  # the default group, through the engine
     auto = llm.model
     for ids, out in greedy_runs[:3]:
         want = _logits(smollm_fp32.model, ids + out)
         assert sqnr(want, _logits(g32, ids + out)) > 60
+        assert sqnr(want, _logits(g32_head, ids + out)) > 35  # the Q8_0 table requantized per row: 41 dB measured
         assert sqnr(want, _logits(g64, ids + out)) > 5
         assert sqnr(want, _logits(auto, ids + out)) > 5
     for mine, by64 in zip(auto.model.layers, g64.model.layers):  # 576 inputs: group 64, the same tensors
@@ -253,13 +258,18 @@ def test_smollm2_int4(smollm_fp32, greedy_runs):
 
 def test_parameter_memory_shrinks():
     """Linear-weight bytes vs the bf16 model: int8 ~2x, int4 g64 16/4.5 = 3.56x (bf16 scale + min per
-    64 weights), g32 3.2x. Embedding (tied LM head) and norms unchanged."""
+    64 weights), g32 3.2x. The embedding (tied LM head) becomes int8 with a bf16 scale per row (lm_head.py):
+    49152 x 576 x 2 bytes -> 49152 x (576 + 2); with lm_head="none" it and the norms are unchanged."""
     bf16 = parameter_bytes(load_model(None, dtype=torch.bfloat16, tokenizer=False)[0])
+    V, H = 49152, 576
     ratios = {}
     for spec in METHODS[:3]:
         q = parameter_bytes(load_model(None, dtype=torch.bfloat16, tokenizer=False, quantization=spec)[0])
-        assert q["other"] == bf16["other"]
+        assert q["other"] == bf16["other"] - (2 * V * H - V * (H + 2))
         ratios[_name(spec)] = bf16["linear"] / q["linear"]
+    kept = parameter_bytes(load_model(None, dtype=torch.bfloat16, tokenizer=False,
+                                      quantization={"method": "int8", "lm_head": "none"})[0])
+    assert kept["other"] == bf16["other"]
     assert ratios["int8"] == pytest.approx(2.0, abs=0.01)
     assert ratios["int4-g64"] == pytest.approx(16 / 4.5, abs=0.01)
     assert ratios["int4-g32"] == pytest.approx(16 / 5, abs=0.01)
@@ -269,6 +279,7 @@ def test_parameter_memory_shrinks():
 
 TINY = ModelConfig(architecture="llama", vocab_size=97, hidden_size=128, intermediate_size=256, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=256)
+TINY_TIED = dataclasses.replace(TINY, tie_word_embeddings=True)  # one table for the embedding and the LM head
 
 
 def twins(config: ModelConfig, spec, seed: int, std: float = 0.3):
@@ -306,13 +317,15 @@ def _run_engine(engine: LLMEngine, requests) -> list[list[list[int]]]:
     return [got[f"r{i}"] for i in range(len(requests))]
 
 
+@pytest.mark.parametrize("config", [TINY, TINY_TIED], ids=["untied", "tied"])
 @pytest.mark.parametrize("spec", ["int8", {"method": "int4", "group_size": 64}], ids=_name)
-def test_engine_matches_one_request_at_a_time_quantized(spec, seed):
-    """Batching, chunking, swapping and prefix hits with a quantized model: each request's tokens are
-    its tokens alone (the reference path on a CPU)."""
+def test_engine_matches_one_request_at_a_time_quantized(spec, config, seed):
+    """Batching, chunking, swapping and prefix hits with a quantized model, its LM head int8 (and, tied,
+    its embedding: lm_head.py): each request's tokens are its tokens alone (the reference path on a CPU)."""
     rng = random.Random(seed)
-    _, model = twins(TINY, spec, rng.randrange(1 << 30))
-    requests = random_requests(rng, TINY.vocab_size, 8)
+    _, model = twins(config, spec, rng.randrange(1 << 30))
+    assert model.lm_head.qweight.dtype == torch.int8
+    requests = random_requests(rng, config.vocab_size, 8)
     tok = NoTextTokenizer()
     expected = [alone(model, tok, p, sp) for p, sp in requests]
     ec = EngineConfig(block_size=4, num_gpu_blocks=blocks_for(requests, 4) + 6, num_cpu_blocks=64,

@@ -11,6 +11,8 @@ Choosing one (`LLM(quantization=...)`, `load_model(..., quantization=...)`):
     "int8"                                   int8 weights, one scale per output channel (int8.py)
     "int4"                                   int4 weights in groups of 128 inputs (int4.py)
     {"method": "int4", "group_size": 64}     a method with its options
+    {"method": "int4", "lm_head": "none"}    the LM head in the model's dtype (the default, "int8":
+                                             int8 rows, lm_head.py; every weight-only method has it)
     Int4Config(group_size=32)                a config object
     "gguf"                                   a .gguf file's Q4_1/Q8_0 blocks kept packed (gguf.py)
 

@@ -4,7 +4,8 @@
 
 Half the bytes of a bf16 weight (8 bits + 16 per row of K), so a memory-bound decode step can be up to
 2x faster; 255 levels per row keep the layer's output at 40-50 dB SQNR, so greedy tokens rarely move.
-Activations stay in the model's dtype; the embedding and the LM head are not quantized (weight_only.py).
+Activations stay in the model's dtype. The LM head is int8 too, one scale per vocabulary row (lm_head.py),
+unless the option lm_head="none" keeps it in the model's dtype (weight_only.py).
 """
 
 from __future__ import annotations

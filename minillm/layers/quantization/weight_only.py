@@ -8,9 +8,11 @@ deletes the full-precision weight: the model then holds only the packed weights 
 A method says what quantizing produces (`quantize`) and how to multiply with it (`matmul`): the
 Triton kernel on a GPU, its dequantize-then-matmul reference elsewhere (layers/backend.py).
 
-Only the linear layers are quantized. The embedding and the LM head are not linear layers here
-(layers/vocab_parallel_embedding.py): they stay in the model's dtype, as in vLLM and llama.cpp's
-common formats, because the logits are where rounding shows most.
+The LM head is not a linear layer here (layers/vocab_parallel_embedding.py), but it is a matmul a
+decode step reads in full: every weight-only config gives it int8 rows with one scale each
+(lm_head.py; on Llama-3-8B its bf16 table is 22 % of an int4 step's bytes), and a tied embedding
+looks its rows up in the same int8 table. The option `lm_head="none"` keeps both in the model's
+dtype, as vLLM and llama.cpp's common formats do: the logits are where rounding shows most.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 from ..backend import use_triton
 from ..linear import LinearBase
 from .base import LinearMethodBase, QuantizationConfig, UnquantizedLinearMethod
+from .lm_head import LM_HEAD_FORMATS, Int8EmbeddingMethod, is_vocab_table
 
 
 def check_options(method: str, options: dict, allowed: tuple[str, ...]) -> None:
@@ -32,24 +35,39 @@ def check_options(method: str, options: dict, allowed: tuple[str, ...]) -> None:
 
 
 class WeightOnlyConfig(QuantizationConfig):
-    """A config whose options are its constructor's keywords; every linear layer gets `method()`."""
+    """A config whose options are its constructor's keywords, and `lm_head`: every linear layer gets
+    `method()`, the vocabulary tables int8 rows (lm_head="int8", the default) or none (lm_head="none")."""
 
     options: tuple[str, ...] = ()
+    lm_head = "int8"  # the default; from_options sets it per config (one of lm_head.LM_HEAD_FORMATS)
 
     @classmethod
     def from_options(cls, **options) -> WeightOnlyConfig:
-        check_options(cls.name, options, cls.options)
-        return cls(**options)
+        check_options(cls.name, options, cls.options + ("lm_head",))
+        lm_head = options.pop("lm_head", cls.lm_head)
+        if not isinstance(lm_head, str) or lm_head not in LM_HEAD_FORMATS:
+            raise ValueError(f"quantization {cls.name!r} lm_head must be one of "
+                             f"{', '.join(map(repr, LM_HEAD_FORMATS))}, not {lm_head!r}")
+        config = cls(**options)
+        config.lm_head = lm_head
+        return config
 
     def method(self) -> WeightOnlyLinearMethod:
         raise NotImplementedError
 
     def get_quant_method(self, layer, prefix):
-        return self.method() if isinstance(layer, LinearBase) else None
+        if isinstance(layer, LinearBase):
+            return self.method()
+        if is_vocab_table(layer) and self.lm_head == "int8":
+            # the embedding too: when it is built, whether an LM head will be tied to it (and take this very
+            # method, tie_weights) is not known yet; an untied one stays full precision (lm_head.py)
+            return Int8EmbeddingMethod()
+        return None
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.options)
-        return f"{type(self).__name__}({args})"
+        args = [f"{k}={getattr(self, k)!r}" for k in self.options]
+        args += [f"lm_head={self.lm_head!r}"] if self.lm_head != type(self).lm_head else []
+        return f"{type(self).__name__}({', '.join(args)})"
 
 
 class WeightOnlyLinearMethod(LinearMethodBase):
