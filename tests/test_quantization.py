@@ -220,7 +220,9 @@ def test_smollm2_int8_keeps_the_greedy_tokens(smollm_fp32, greedy_runs):
     free = _greedy(llm, [ids for ids, _ in greedy_runs])
     kept = [next((i for i, (a, b) in enumerate(zip(mine, out)) if a != b), len(out))
             for mine, (_, out) in zip(free, greedy_runs)]
-    assert sum(k >= 16 for k in kept) >= len(PROMPTS) // 2, kept
+    # 4 of 8 keep 16 tokens on the development CPU: >= 3 leaves one prompt of margin for another CPU's fp32
+    # rounding, since a free run parts at the first near-tie it meets (the teacher-forced check above is exact)
+    assert sum(k >= 16 for k in kept) >= 3, kept
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0]
     assert "Paris" in out.text
