@@ -53,7 +53,7 @@ CHAPTERS: tuple[Chapter, ...] = (
              "minillm/bench/serving.py")),
     Chapter("08", "Quantization", "08-quantization.md", "08_quantization", "08_quantization",
             ("minillm/layers/quantization/", "kernels/w4a16.py", "kernels/w4a16_gemv.py", "kernels/w4a16_swap.py",
-             "kernels/wna16_dequant.py", "kernels/quant_fp8.py",
+             "kernels/wna16_dequant.py", "kernels/quant_fp8.py", "kernels/w8a16_fp8.py",
              "minillm/eval/", "minillm/data/")),
     Chapter("09", "Speculative decoding", "09-speculative-decoding.md", "09_speculative_decoding",
             "09_speculative_decoding",
