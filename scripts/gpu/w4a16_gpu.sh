@@ -27,7 +27,7 @@ has tests && timeout 150 python -m pytest -q -p no:cacheprovider -rs tests/test_
 has sweep && timeout 95 python scripts/gpu/w4sweep.py --budget-s 65 > "$LOGS/w4sweep.log" 2>&1; echo "sweep rc=$?" >> "$LOGS/w4sweep.log"
 cp "$OUT/w4a16.json" "$LOGS/" 2>/dev/null
 
-has latency && for fmt in int4 bf16 int8; do
+has latency && for fmt in ${FORMATS:-int4 bf16 int8}; do  # FORMATS="int4 bf16 int8 fp8": fp8 too
   q=(); [ "$fmt" != bf16 ] && q=(--quantization "$fmt")
   timeout 80 python -m minillm bench latency --model llama-3-8b-dummy "${q[@]}" --no-hf --num-iters 2 \
     --num-iters-warmup 1 --max-num-seqs 1 --max-num-batched-tokens 256 --cuda-graph-max-tokens 0 \
