@@ -45,13 +45,14 @@ def quantize_model(source, method: str, options: dict, out: str | Path, *, dtype
 
 
 def parse_quantization(text: str | None):
-    """The CLI's --quantization: none, a method name, NAME:key=value,key=value (e.g. awq:group_size=64),
-    or a folder written by `minillm quantize` -> what LLM(quantization=...) takes."""
+    """The CLI's --quantization: none, a method name, NAME:key=value,key=value (e.g. awq:group_size=64,
+    int4:lm_head=none), or a folder written by `minillm quantize`, optionally FOLDER:lm_head=none -> what
+    LLM(quantization=...) takes."""
     if text is None or text.lower() == "none":
         return None
     if Path(text).is_dir():
         return load_quantized(text)
-    name, _, rest = text.partition(":")
+    name, _, rest = text.rpartition(":") if ":" in text else (text, "", "")
     options = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
@@ -59,6 +60,11 @@ def parse_quantization(text: str | None):
             raise ValueError(f"--quantization options are key=value pairs after the name (awq:group_size=64), "
                              f"not {item!r}")
         options[key.strip()] = _value(value.strip())
+    if Path(name).is_dir():  # a saved folder with load options: FOLDER:lm_head=none
+        unknown = sorted(set(options) - {"lm_head"})
+        if unknown:
+            raise ValueError(f"--quantization {name}: a saved folder takes only the option lm_head, not {unknown[0]!r}")
+        return load_quantized(name, **options)
     return {"method": name, **options} if options else name
 
 

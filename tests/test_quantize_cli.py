@@ -98,6 +98,21 @@ def test_mismatched_folders_are_refused(corpus, tiny, tmp_path):  # noqa: F811
         save_quantized(unquantized, tmp_path / "x", "int4", {}, None)
 
 
+def test_a_saved_folder_loads_with_the_lm_head_format_asked_for(corpus, tiny, tmp_path):  # noqa: F811
+    # the folder holds the linear layers; the LM head comes from the checkpoint, quantized at load or not
+    out = quantize_model(tiny, "int8", {}, tmp_path / "int8")
+    head, _, _ = load_model(tiny, quantization=load_quantized(out))
+    kept, _, _ = load_model(tiny, quantization=load_quantized(out, lm_head="none"))
+    assert head.lm_head.qweight.dtype == torch.int8
+    assert not hasattr(kept.lm_head, "qweight") and kept.lm_head.weight.dtype == torch.float32
+    assert parse_quantization(f"{out}:lm_head=none").lm_head == "none"
+    assert parse_quantization(str(out)).lm_head == "int8"
+    with pytest.raises(ValueError, match="lm_head must be one of 'int8', 'none'"):
+        load_quantized(out, lm_head="fp8")
+    with pytest.raises(ValueError, match="takes only the option lm_head, not 'group_size'"):
+        parse_quantization(f"{out}:group_size=64")
+
+
 def test_parse_quantization(tmp_path):
     assert parse_quantization(None) is None and parse_quantization("none") is None
     assert parse_quantization("int8") == "int8"

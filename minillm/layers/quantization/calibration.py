@@ -242,6 +242,8 @@ class QuantizedCheckpointConfig(WeightOnlyConfig):
         load_quantized_tensors(model, self.path)
 
 
-def load_quantized(path: str | os.PathLike) -> QuantizedCheckpointConfig:
-    """A folder written by `minillm quantize` -> the config `LLM(quantization=...)` loads it with."""
-    return QuantizedCheckpointConfig(path)
+def load_quantized(path: str | os.PathLike, lm_head: str = "int8") -> QuantizedCheckpointConfig:
+    """A folder written by `minillm quantize` -> the config `LLM(quantization=...)` loads it with.
+    lm_head: the LM head's format, which the folder does not hold (it comes from the original checkpoint,
+    quantized at load: lm_head.py), "int8" or "none" (the model's dtype)."""
+    return QuantizedCheckpointConfig.from_options(path=path, lm_head=lm_head)
