@@ -132,6 +132,21 @@ def split_k_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+def skinny_output(kernel: str, x: torch.Tensor, qweight: torch.Tensor, max_rows: int) -> torch.Tensor:
+    """The [M, N] output of a kernel for at most max_rows rows of x (the GEMV's and the swap kernel's)."""
+    if x.shape[0] > max_rows:
+        raise ValueError(f"{kernel} takes at most {max_rows} rows, got {x.shape[0]}")
+    return torch.empty((x.shape[0], qweight.shape[0]), dtype=x.dtype, device=x.device)  # [M, N]
+
+
+def split_k_buffers(y: torch.Tensor, split: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partials fp32 [split, M, N], counters per N tile) for a split-K launch; with one split the kernel
+    writes y directly and touches neither (y stands in for both)."""
+    if split == 1:
+        return y, y
+    return torch.empty((split, *y.shape), dtype=torch.float32, device=y.device), split_k_counters(y.device, n_tiles)
+
+
 def choose_gemv_tiles(N: int, K: int, device: torch.device) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_C, split_k, num_warps, num_stages), the same for every M <= MAX_ROWS.
 
@@ -154,9 +169,7 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     `tiles` overrides choose_gemv_tiles (the GPU sweep's knob)."""
     M, K = x.shape
     N = qweight.shape[0]
-    if M > MAX_ROWS:
-        raise ValueError(f"w4a16_gemv takes at most {MAX_ROWS} rows, got {M}")
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    y = skinny_output("w4a16_gemv", x, qweight, MAX_ROWS)  # [M, N]
     if M == 0 or N == 0:
         return y
     bn, bc, split, warps, stages = tiles or choose_gemv_tiles(N, K, x.device)
@@ -165,8 +178,7 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     split = triton.cdiv(K, k_per_split)  # no empty slices
     qw32 = qweight.view(torch.int32) if qweight.stride(0) % 4 == 0 else qweight.contiguous().view(torch.int32)
     n_tiles = triton.cdiv(N, bn)
-    partials = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-    counters = y if split == 1 else split_k_counters(x.device, n_tiles)
+    partials, counters = split_k_buffers(y, split, n_tiles)
     _w4a16_gemv_kernel[(n_tiles, split)](
         x, qw32, scales, mins, y, partials, counters,
         M, N, K, group_size, k_per_split,

@@ -34,7 +34,7 @@ import triton.language as tl
 from .checks import INTERPRET
 from .flash_attn import dot
 from .flash_decode import sm_count
-from .w4a16_gemv import split_k_counters, split_k_finish
+from .w4a16_gemv import skinny_output, split_k_buffers, split_k_finish
 
 MAX_ROWS = 16  # x's rows: the B operand's 16 columns
 MAX_SPLIT_K = 16
@@ -116,9 +116,7 @@ def w4a16_swap(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     `tiles` overrides choose_swap_tiles (the GPU sweep's knob)."""
     M, K = x.shape
     N = qweight.shape[0]
-    if M > MAX_ROWS:
-        raise ValueError(f"w4a16_swap takes at most {MAX_ROWS} rows, got {M}")
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    y = skinny_output("w4a16_swap", x, qweight, MAX_ROWS)  # [M, N]
     if M == 0 or N == 0:
         return y
     bn, split, warps, stages = tiles or choose_swap_tiles(N, K, group_size, x.device)
@@ -127,8 +125,7 @@ def w4a16_swap(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     split = triton.cdiv(n_groups, per_split)  # no empty slices
     chunk = min(128, (group_size // 2) & -(group_size // 2))  # the largest power of two dividing G/2, <= 128
     n_tiles = triton.cdiv(N, bn)
-    partials = y if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-    counters = y if split == 1 else split_k_counters(x.device, n_tiles)
+    partials, counters = split_k_buffers(y, split, n_tiles)
     magic_bits, offset = MAGIC.get(x.dtype, (0, 0.0))
     _w4a16_swap_kernel[(n_tiles, split)](
         x, qweight, scales, mins, y, partials, counters,
