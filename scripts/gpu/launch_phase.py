@@ -1,7 +1,7 @@
 """Why a batch-256 decode step's `launch` phase takes longer with overlap scheduling on (chapter 13).
 
 `bench profile` at 32-token prompts (chapters/bench/h200-2026-11-26-fastpath/) put the phase at 1.05-1.26 ms
-a step with overlap on and 0.66-0.67 ms with it off. The phase is `executor.execute_model`: the block table's
+a step with overlap on and 0.66-1.04 ms with it off (three runs). The phase is `executor.execute_model`: the block table's
 update and gather, the host tensors and their copies into the graph's buffers (`StepGraphs._fill`), the
 scatter of the previous step's tokens, and the graph replay. This script times each part per step (host wall
 time, no synchronisation added), overlap on and off, and repeats the pair with the copies staged through
