@@ -264,9 +264,10 @@ def test_flash_decode_more_splits_than_tiles(seed):
 
 def test_flash_decode_uses_only_the_splits_a_sequence_needs(seed):
     # A 16-split grid, as a graph sized for a long block table has it: 300 keys take all 16 splits, 40
-    # keys take 3 (one of them empty after rounding to key tiles), 5 keys take one split, which writes the
-    # output itself. With 8 query heads of 128 dims a group, the merge reads 8 splits a chunk: two chunks.
-    check_decode(torch.Generator().manual_seed(seed), 16, 6, 2, 64, [300, 40, 5], None, num_splits=16)
+    # keys take 3 (one of them empty after rounding to key tiles), 20 keys take 2, 5 keys take one split,
+    # which writes the output itself. With 8 query heads of 128 dims a group, the merge reads 8 splits a
+    # chunk: two chunks.
+    check_decode(torch.Generator().manual_seed(seed), 16, 6, 2, 64, [300, 40, 20, 5], None, num_splits=16)
     check_decode(torch.Generator().manual_seed(seed), 16, 8, 1, 128, [300, 5], None, num_splits=16)
     check_decode(torch.Generator().manual_seed(seed), 16, 8, 1, 128, [5], 3, num_splits=16)
 
