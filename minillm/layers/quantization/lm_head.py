@@ -34,7 +34,7 @@ from torch import nn
 from ...kernels.w4a16 import w8a16_gemm, w8a16_gemm_ref
 from ..backend import use_triton
 from .base import QuantizeMethodBase, UnquantizedEmbeddingMethod
-from .utils import quantize_int8
+from .utils import matmul_rows, quantize_int8
 
 LM_HEAD_FORMATS = ("int8", "none")  # the weight-only configs' `lm_head` option: int8, or the model's dtype
 
@@ -92,9 +92,7 @@ class Int8EmbeddingMethod(QuantizeMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """hidden x [N, hidden] -> logits [N, vocab / tp] through the W8A16 GEMM (int8.py's product)."""
-        x2 = x.reshape(-1, x.shape[-1])  # [N, hidden], a contiguous last dim as the kernel takes it
-        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-        gemm = w8a16_gemm if use_triton(x2) else w8a16_gemm_ref  # the kernel on a GPU, its reference elsewhere
-        y = gemm(x2, layer.qweight, layer.scales)  # [N, vocab]
-        y = y if bias is None else y + bias
-        return y.view(*x.shape[:-1], y.shape[-1])
+        def logits(x2):  # [N, hidden] -> [N, vocab]: the kernel on a GPU, its reference elsewhere
+            return (w8a16_gemm if use_triton(x2) else w8a16_gemm_ref)(x2, layer.qweight, layer.scales)
+
+        return matmul_rows(x, bias, logits)

@@ -71,3 +71,12 @@ def parameter_bytes(model: nn.Module) -> dict[str, int]:
     out["total"] = out["linear"] + out["other"]
     return out
 
+
+def matmul_rows(x: torch.Tensor, bias: torch.Tensor | None, matmul) -> torch.Tensor:
+    """x [..., in] -> [..., out] through matmul(x2 [T, in]) -> [T, out], x2 with a contiguous last dim as the
+    kernels take it, plus bias: what every weight-only method's apply does around its product."""
+    x2 = x.reshape(-1, x.shape[-1])  # [T, in]
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    y = matmul(x2)  # [T, out]
+    y = y if bias is None else y + bias
+    return y.view(*x.shape[:-1], y.shape[-1])

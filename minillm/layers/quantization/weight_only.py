@@ -24,6 +24,7 @@ from ..backend import use_triton
 from ..linear import LinearBase
 from .base import LinearMethodBase, QuantizationConfig, UnquantizedLinearMethod
 from .lm_head import LM_HEAD_FORMATS, Int8EmbeddingMethod, is_vocab_table
+from .utils import matmul_rows
 
 
 def check_options(method: str, options: dict, allowed: tuple[str, ...]) -> None:
@@ -94,9 +95,4 @@ class WeightOnlyLinearMethod(LinearMethodBase):
             layer.register_parameter(name, nn.Parameter(t, requires_grad=False))
 
     def apply(self, layer, x, bias=None):
-        x2 = x.reshape(-1, x.shape[-1])  # [T, in], a contiguous last dim as the kernels take it
-        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-        y = self.matmul(layer, x2, use_triton(x2))  # [T, out]
-        if bias is not None:
-            y = y + bias
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return matmul_rows(x, bias, lambda x2: self.matmul(layer, x2, use_triton(x2)))  # [..., out]
