@@ -132,7 +132,7 @@ def split_k_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def skinny_output(kernel: str, x: torch.Tensor, qweight: torch.Tensor, max_rows: int) -> torch.Tensor:
+def few_rows_output(kernel: str, x: torch.Tensor, qweight: torch.Tensor, max_rows: int) -> torch.Tensor:
     """The [M, N] output of a kernel for at most max_rows rows of x (the GEMV's and the swap kernel's)."""
     if x.shape[0] > max_rows:
         raise ValueError(f"{kernel} takes at most {max_rows} rows, got {x.shape[0]}")
@@ -169,7 +169,7 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     `tiles` overrides choose_gemv_tiles (the GPU sweep's knob)."""
     M, K = x.shape
     N = qweight.shape[0]
-    y = skinny_output("w4a16_gemv", x, qweight, MAX_ROWS)  # [M, N]
+    y = few_rows_output("w4a16_gemv", x, qweight, MAX_ROWS)  # [M, N]
     if M == 0 or N == 0:
         return y
     bn, bc, split, warps, stages = tiles or choose_gemv_tiles(N, K, x.device)

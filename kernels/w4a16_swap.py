@@ -34,7 +34,7 @@ import triton.language as tl
 from .checks import INTERPRET
 from .flash_attn import dot
 from .flash_decode import sm_count
-from .w4a16_gemv import skinny_output, split_k_buffers, split_k_finish
+from .w4a16_gemv import few_rows_output, split_k_buffers, split_k_finish
 
 MAX_ROWS = 16  # x's rows: the B operand's 16 columns
 MAX_SPLIT_K = 16
@@ -116,7 +116,7 @@ def w4a16_swap(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     `tiles` overrides choose_swap_tiles (the GPU sweep's knob)."""
     M, K = x.shape
     N = qweight.shape[0]
-    y = skinny_output("w4a16_swap", x, qweight, MAX_ROWS)  # [M, N]
+    y = few_rows_output("w4a16_swap", x, qweight, MAX_ROWS)  # [M, N]
     if M == 0 or N == 0:
         return y
     bn, split, warps, stages = tiles or choose_swap_tiles(N, K, group_size, x.device)

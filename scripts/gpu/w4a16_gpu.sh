@@ -20,7 +20,7 @@ has() { [[ " $PARTS " == *" $1 "* ]]; }
   echo "commit ${MINILLM_COMMIT:-?}"; python -c "import torch, triton; print(torch.__version__, triton.__version__)"; } \
   > "$LOGS/env.txt" 2>&1
 
-has tests && timeout 150 python -m pytest -q -p no:cacheprovider -rs tests/test_kernels_w4a16_gemv.py tests/test_kernels_w4a16_swap.py tests/test_kernels_w4a16_skinny.py \
+has tests && timeout 150 python -m pytest -q -p no:cacheprovider -rs tests/test_kernels_w4a16_gemv.py tests/test_kernels_w4a16_swap.py tests/test_kernels_w4a16_few_rows.py \
   "tests/test_kernels_w4a16.py::test_llama3_shapes_on_gpu" "tests/test_kernels_w4a16.py::test_w4a16_matches_dequantized_matmul" \
   > "$LOGS/tests.log" 2>&1; echo "tests rc=$?" >> "$LOGS/tests.log"
 

@@ -1,4 +1,4 @@
-"""What the two skinny int4 kernels (w4a16_gemv.py, w4a16_swap.py) promise beyond accuracy, checked on
+"""What the two few-row int4 kernels (w4a16_gemv.py, w4a16_swap.py) promise beyond accuracy, checked on
 both with the same inputs: a split-K reduction in a fixed order inside the kernel (the same input gives
 the same bits, and the counters are zero again for the next launch), and rows that do not depend on the
 batch around them. Under Triton's interpreter on a CPU, natively on a GPU."""
