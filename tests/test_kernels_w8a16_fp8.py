@@ -36,8 +36,10 @@ def g(seed):
 
 
 def fp8_weight(g, N: int, K: int, per_channel: bool = True):
-    """Codes of every magnitude (|w| up to 448, subnormals included) and scales ~ a trained layer's."""
-    w = (torch.randn(N, K, generator=g) * torch.logspace(-3, 2.5, K)[torch.randperm(K, generator=g)]).to(FP8)
+    """Codes of every magnitude (|w| up to 448, subnormals included) and scales ~ a trained layer's.
+    Clamped before the cast: torch 2.13 saturates an out-of-range float, torch 2.11 makes it NaN."""
+    w = torch.randn(N, K, generator=g) * torch.logspace(-3, 2.5, K)[torch.randperm(K, generator=g)]
+    w = w.clamp(-torch.finfo(FP8).max, torch.finfo(FP8).max).to(FP8)
     scale = torch.rand(N if per_channel else (), generator=g) * 1e-3 + 1e-4
     return w.to(DEVICE), scale.to(DEVICE)
 
