@@ -12,6 +12,7 @@ step in flight still holds). Run with minillm installed:
 
 -> OUT_DIR/launch_phase.json and a table on stdout.
 """
+import gc
 import json
 import os
 import random
@@ -110,7 +111,10 @@ def run(models, overlap: bool, pinned: bool) -> dict:
             engine.step()
     row = {"overlap": overlap, "pinned": pinned, "wall_ms": 1e3 * statistics.median(walls)}
     row.update({f"{k}_ms": 1e3 * statistics.median(v) for k, v in spent.items()})
-    del engine
+    # let the KV cache and the graphs' pools go before the next engine sizes its cache from free memory
+    engine.executor.shutdown()
+    del engine, runner, graphs, seqs, patches
+    gc.collect()
     torch.cuda.empty_cache() if DEV.type == "cuda" else None
     return row
 

@@ -1,3 +1,4 @@
+# ruff: noqa: B023  (timed closures run at once, inside their loop)
 """MLA decode at many heads, one config at a time (issue 26's 2-CTA-per-SM question): for each
 (BLOCK_H, BLOCK_N, warps, stages), time the split kernel + combine on DeepSeek-V3 shapes and print
 its registers per thread, shared memory, the CTAs per SM those allow, and TFLOP/s.
@@ -12,13 +13,22 @@ import triton
 from minillm.bench.moe import _mla_inputs
 from minillm.hw import time_it
 from minillm.kernels.flash_decode import _flash_decode_combine, sm_count
-from minillm.kernels.mla_decode import LOG2E, _mla_decode_split, choose_num_splits, mla_decode
+from minillm.kernels.mla_decode import (
+    LOG2E,
+    _mla_decode_split,
+    _mla_few_heads,
+    _mla_many_heads,
+    choose_num_splits,
+    mla_decode,
+)
 
 ap = argparse.ArgumentParser(description=__doc__)
 ap.add_argument("--heads", type=int, default=128)
 ap.add_argument("--batch", type=int, default=32)
 ap.add_argument("--context", type=int, default=4096)
 ap.add_argument("--json", default=None)
+ap.add_argument("--splits", default="", help="comma-separated split counts: time mla_decode at each instead "
+                "(the few-heads question: 16 heads make B x splits programs of 4 warps)")
 args = ap.parse_args()
 dev = torch.device("cuda")
 L, R = 512, 64
@@ -52,11 +62,23 @@ def launch(bh, bn, warps, stages):
 
 ref = mla_decode(q, cache, lens, seq_idx, table, L, 0.1)
 t_auto = time_it(lambda: mla_decode(q, cache, lens, seq_idx, table, L, 0.1), device=dev)
-rows = [{"config": "tuned mla_decode", "us": t_auto * 1e6, "tflops": flops / t_auto / 1e12}]
-print(f"{props.name}  B={B} H={H} ctx={ctx}  tuned: {t_auto * 1e6:.1f} us  {flops / t_auto / 1e12:.1f} TFLOP/s")
+nbytes = (B * ctx * (L + R) + B * H * (2 * L + R)) * 2  # latents, q read, out written (bf16)
+tuner = _mla_many_heads if H > 16 else _mla_few_heads
+picked = {"best_config": str(getattr(tuner, "best_config", None)),
+          "tuner_ms": {str(k): v for k, v in (getattr(tuner, "configs_timings", None) or {}).items()}}
+rows = [{"config": "tuned mla_decode", "us": t_auto * 1e6, "tflops": flops / t_auto / 1e12,
+         "gbps": nbytes / t_auto / 1e9} | picked]
+print(f"{props.name}  B={B} H={H} ctx={ctx}  tuned: {t_auto * 1e6:.1f} us  {flops / t_auto / 1e12:.1f} TFLOP/s  "
+      f"{nbytes / t_auto / 1e9:.0f} GB/s  picked {picked['best_config']}")
+for k, v in picked["tuner_ms"].items():
+    print(f"  autotuner timed {k}: {v}")
+for n_split in [int(v) for v in args.splits.split(",") if v]:
+    t = time_it(lambda: mla_decode(q, cache, lens, seq_idx, table, L, 0.1, num_splits=n_split), device=dev)
+    rows.append({"config": f"tuned, num_splits={n_split}", "us": t * 1e6, "tflops": flops / t / 1e12, "gbps": nbytes / t / 1e9})
+    print(f"num_splits {n_split:3d}: {t * 1e6:8.1f} us  {nbytes / t / 1e9:6.0f} GB/s  {flops / t / 1e12:6.1f} TFLOP/s", flush=True)
 configs = [(64, 32, 8, 2), (64, 64, 8, 2), (64, 16, 8, 3), (64, 16, 8, 1), (64, 32, 8, 1),
            (32, 32, 4, 2), (32, 64, 8, 2), (32, 32, 8, 2), (32, 16, 8, 2), (32, 32, 8, 1), (32, 16, 4, 1)]
-for bh, bn, w, st in configs:
+for bh, bn, w, st in configs if not args.splits else []:
     row = {"config": f"BLOCK_H={bh} BLOCK_N={bn} warps={w} stages={st}"}
     try:
         run, splits, out = launch(bh, bn, w, st)
