@@ -455,8 +455,8 @@ plt.show()
 # ## 6. The KV cache in one byte: twice the tokens
 #
 # `kv_cache_dtype="fp8"` (e4m3) or `"int8"` stores K and V in one byte per number with scales calibrated
-# from a few prompts (`layers/quantization/kv_cache.py`; keys now get one per KV head and channel, values one
-# per KV head; the outputs below were measured with one per KV head for both): `store_kv` quantizes as it
+# from a few prompts (`layers/quantization/kv_cache.py`: keys get one per KV head and channel, values one
+# per KV head): `store_kv` quantizes as it
 # writes, and the attention kernels dequantize as they read. The pool of the same bytes then holds
 # twice the tokens of bf16, which is what lets the scheduler run twice the sequences at long contexts.
 # Below: the bytes per token from each model's cache spec, and the tokens a pool of the same size
