@@ -45,9 +45,9 @@ smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
 
 def launch(bh, bn, warps, stages, splits=None):
     splits = splits or choose_num_splits(B, triton.cdiv(H, bh), table.shape[1] * cache.shape[1], sm_count(dev))
-    out = torch.empty((B, H, L), dtype=q.dtype, device=dev, cuda_graph=True)
-    o_part = torch.empty((B, H, splits, L), dtype=torch.float32, device=dev, cuda_graph=True)
-    lse = torch.empty((B, H, splits), dtype=torch.float32, device=dev, cuda_graph=True)
+    out = torch.empty((B, H, L), dtype=q.dtype, device=dev)
+    o_part = torch.empty((B, H, splits, L), dtype=torch.float32, device=dev)
+    lse = torch.empty((B, H, splits), dtype=torch.float32, device=dev)
 
     def run():
         k = _mla_decode_split[(triton.cdiv(H, bh), splits, B)](
