@@ -41,6 +41,11 @@ from .flash_decode import MAX_SPLITS, SPLIT_GRAIN, _flash_decode_combine, sm_cou
 
 FEW_HEADS = 16  # at most this many heads: one head block of 16, the fewest rows tl.dot takes
 FEW_HEADS_FILL_WAVES = True  # the split rule at few heads (choose_num_splits; bench moe times both)
+# Programs an SM runs at once, by head count. Few heads: a 4-warp tile of 32 keys needs 224 registers a
+# thread and 55 KB of shared memory, so two fit an SM, and filling both slots keeps twice the loads in
+# flight (V2-Lite, batch 32, 4,096 keys, CUDA-graph timing on an H100: 8 splits 73.7 us against 4 splits'
+# 81.2, scripts/gpu/mla_configs.py). Many heads: the 64-head tiles take one SM each (255 registers, 216 KB).
+FEW_HEADS_CTAS_PER_SM = 2
 
 
 def _configs(many_heads: bool) -> list[triton.Config]:
@@ -138,6 +143,11 @@ _mla_many_heads = triton.autotune(configs=_configs(True), key=_KEY,
                                   prune_configs_by={"early_config_prune": _prune})(_mla_decode_split)
 
 
+def program_slots(device: torch.device, many_heads: bool) -> int:
+    """How many decode programs the GPU runs side by side: the `num_sms` that choose_num_splits fills."""
+    return sm_count(device) * (1 if many_heads else FEW_HEADS_CTAS_PER_SM)
+
+
 def choose_num_splits(rows: int, head_blocks: int, max_keys: int, num_sms: int, fill_waves: bool = True) -> int:
     """How many slices to cut each row's keys into (no slice shorter than a key tile, at most MAX_SPLITS).
 
@@ -201,7 +211,7 @@ def mla_decode(q, kv_cache, kv_lens, seq_idx, block_table, kv_lora_rank: int, so
     max_keys = block_table.shape[1] * block_size  # from shapes: reading kv_lens would wait for the GPU
     if num_splits is None:  # head blocks counted at the widest config, 64 (or 16 for few heads)
         num_splits = choose_num_splits(T, triton.cdiv(H, 64 if many else FEW_HEADS), max_keys,
-                                       sm_count(q.device), fill_waves=many or FEW_HEADS_FILL_WAVES)
+                                       program_slots(q.device, many), fill_waves=many or FEW_HEADS_FILL_WAVES)
     single = num_splits == 1
     o_part = lse_part = None
     if not single:

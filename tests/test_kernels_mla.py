@@ -14,7 +14,7 @@ from test_kernels_moe import DEVICE, DTYPES, INTERPRETED, TOL, rel
 from test_mla import paged_latents
 
 from minillm.kernels.flash_decode import SPLIT_GRAIN
-from minillm.kernels.mla_decode import choose_num_splits, mla_decode, mla_decode_ref
+from minillm.kernels.mla_decode import choose_num_splits, mla_decode, mla_decode_ref, program_slots
 
 
 @pytest.mark.parametrize("H", [40, 70] if INTERPRETED else [40, 128])
@@ -48,6 +48,15 @@ def test_head_block_must_be_none_or_16():
     one = torch.ones(1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="head_block"):
         mla_decode(q, cache, one, one * 0, one[None] * 0, 32, 0.1, head_block=64)
+
+
+def test_few_heads_fill_two_programs_an_sm():
+    """V2-Lite's 16 heads: the 4-warp tiles fit two CTAs an SM, so the split rule fills twice the SMs
+    (batch 32 at 4,096 keys on 132 SMs: 8 splits, where one program an SM gave 4)."""
+    dev = torch.device(DEVICE)
+    assert program_slots(dev, many_heads=False) == 2 * program_slots(dev, many_heads=True)
+    assert choose_num_splits(32, 1, 4096, 2 * 132) == 8
+    assert choose_num_splits(32, 1, 4096, 132) == 4
 
 
 def test_split_rule():

@@ -33,9 +33,8 @@ import torch.nn.functional as F
 import triton
 
 from ..hw import ceilings, default_device, device_name, time_it
-from ..kernels.flash_decode import sm_count
 from ..kernels.fused_moe import fused_experts, fused_experts_ref
-from ..kernels.mla_decode import FEW_HEADS_FILL_WAVES, choose_num_splits, mla_decode
+from ..kernels.mla_decode import FEW_HEADS_FILL_WAVES, choose_num_splits, mla_decode, program_slots
 from ..notebook import header_line
 from .moe_tune import tune as tune_moe
 from .table import print_table
@@ -120,7 +119,7 @@ def _mla_row(model, H, B, ctx, lat, device, dtype, ceil) -> dict:
            "mla_gbps": nbytes / ours / 1e9, "pct_of_copy": 100 * nbytes / ours / 1e9 / ceil.copy_gbps,
            "mla_tflops": flops / ours / 1e12, "pct_of_matmul": 100 * flops / ours / 1e12 / ceil.matmul_tflops}
     # the other split rule (mla_decode.choose_num_splits), timed in the same process: an ablation
-    sms, hb = sm_count(device), triton.cdiv(H, 64 if H > 16 else 16)
+    sms, hb = program_slots(device, H > 16), triton.cdiv(H, 64 if H > 16 else 16)
     auto = choose_num_splits(B, hb, table.shape[1] * 64, sms, fill_waves=H > 16 or FEW_HEADS_FILL_WAVES)
     alt = choose_num_splits(B, hb, table.shape[1] * 64, sms, fill_waves=not (H > 16 or FEW_HEADS_FILL_WAVES))
     row |= {"splits": auto, "alt_splits": alt}
