@@ -45,6 +45,7 @@ chapters/bench/ (the dated sweeps), not here.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -172,8 +173,11 @@ def _launch(x, qweight, scales, mins, group_size, bits: int, split_k, fp8: int =
         WEIGHT_BITS=bits, GROUPED_8=bits == 8 and scales.dim() == 2, FP8=fp8, IEEE=x.dtype == torch.float32,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
     )
-    if split_k > 1:
-        y.copy_(out.sum(dim=0))  # [split_k, M, N] fp32 -> [M, N], rounded once
+    if split_k > 1:  # [split_k, M, N] fp32 -> [M, N], rounded once
+        if x.device.type == "cpu":  # slice by slice: the CPU's sum over dim 0 may order its adds by M
+            y.copy_(functools.reduce(torch.add, out.unbind(0)))
+        else:
+            y.copy_(out.sum(dim=0))
     return y
 
 
