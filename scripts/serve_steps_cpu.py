@@ -1,7 +1,7 @@
 """Why does the served engine step more often than LLM.generate on the same requests? (chapter 12)
 
     python scripts/serve_steps_cpu.py                          # 2-core CPU: emulated 0.5 ms + 3 us/token step
-    python scripts/serve_steps_cpu.py --profile                # + cProfile of the engine core and the offline run
+    python scripts/serve_steps_cpu.py --profile                # + cProfile of the API process, the engine core, offline
     python scripts/serve_steps_cpu.py --device cuda --emulate ""   # the GPU: the embedded SmolLM2, a real step
 
 serve_overhead's measurement (the same 384 requests at rate inf, served by `minillm serve` with the
@@ -9,7 +9,9 @@ engine core in its own process, then through LLM.generate in a process of its ow
 engine's steps traced by scripts/serve_steps/sitecustomize.py: each step's wall time and CPU, its
 decoding sequences and prompt chunks with their tokens, running and waiting, and when each request
 reached the engine core, against when the client sent it. It prints where the served run's extra
-steps are: while the burst is still reaching the core (the intake ramp), after it, and why.
+steps are: while the burst is still reaching the core (the intake ramp), after it, and why; and
+what the API process's event loop spent per request while taking the burst in (intake: until its
+last request left for the core) and then per 1000 tokens while streaming.
 """
 
 from __future__ import annotations
@@ -27,13 +29,18 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# requests the server finishes before the burst: serve_overhead.served_run's warm-up (4, after
+# run_requests' probe of its own) and the burst's probe
+WARM = 6
 
 
-def traced_env(trace: Path, emulate: str, profile: bool, send_per_pass: bool) -> None:
-    """Every Python process started from now on (server, engine core, client, offline) traces its steps."""
+def traced_env(trace: Path, emulate: str, profile: bool, send_per_pass: bool, burst: int) -> None:
+    """Every Python process started from now on (server, engine core, client, offline) traces its steps;
+    the server's event loop stamps its CPU at the end of the warm-up and of the burst's intake."""
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "serve_steps"), os.environ.get("PYTHONPATH")]))
     os.environ["MINILLM_STEP_TRACE_DIR"] = str(trace)
     os.environ.pop("MINILLM_EMULATE_STEP_US", None)
+    os.environ["MINILLM_API_PHASES"] = f"{WARM},{burst}"
     if emulate:
         os.environ["MINILLM_EMULATE_STEP_US"] = emulate
     for name, on in (("MINILLM_CORE_PROFILE", profile), ("MINILLM_SEND_PER_PASS", send_per_pass)):
@@ -148,14 +155,43 @@ def cpu_split(r: dict, core: dict, offline: dict) -> None:
           f"ms of rows; offline {1e3 * off_steps / len(offline['steps']):.2f} ms")
 
 
-def top_profile(path: Path, steps: int, n: int = 18) -> None:
+def api_phases(trace: Path, t0: float, burst: int, tokens: int) -> dict:
+    """The API process's event loop: its thread's CPU while it took the burst in (from the warm-up's
+    end to the last request leaving for the core; the idle gap before the burst costs ~nothing) and
+    while it streamed the rest, from the stamps of sitecustomize's MINILLM_API_PHASES."""
+    files = sorted(trace.glob("api-*.json"))
+    if not files:
+        return {}
+    warm, intake, stream = json.loads(files[-1].read_text())[:3]  # [phase, time, CPU, GC s, GC runs by generation]
+    gc = [[b - a for a, b in zip(x[3:], y[3:])] for x, y in ((warm, intake), (intake, stream))]
+    out = dict(intake_end_s=intake[1] - t0, intake_cpu_ms_per_request=1e3 * (intake[2] - warm[2]) / burst,
+               intake_gc_ms_per_request=1e3 * gc[0][0] / burst, intake_gc_runs=gc[0][1:],
+               stream_cpu_ms_per_1000_tokens=1e6 * (stream[2] - intake[2]) / tokens,
+               stream_gc_ms_per_1000_tokens=1e6 * gc[1][0] / tokens, stream_gc_runs=gc[1][1:])
+    print(f"\n== API process, event loop thread: intake (until {out['intake_end_s']:.3f} s) "
+          f"{out['intake_cpu_ms_per_request']:.2f} ms CPU per request (garbage collection "
+          f"{out['intake_gc_ms_per_request']:.2f} ms, runs by generation {gc[0][1:]}); then streaming "
+          f"{out['stream_cpu_ms_per_1000_tokens']:.1f} ms CPU per 1000 output tokens (garbage collection "
+          f"{out['stream_gc_ms_per_1000_tokens']:.1f} ms, runs {gc[1][1:]})")
+    return out
+
+
+def top_profile(path: Path, count: int, n: int = 18, unit: str = "step", by_cum: int = 0) -> None:
+    """The top n functions by own time, in µs per `unit` (count of them); by_cum: that many more by
+    cumulative time (the API process: which handler, middleware or parser the time is under)."""
     st = pstats.Stats(str(path))
-    total = st.total_tt
+    total, count = st.total_tt, max(count, 1)
     print(f"\n== cProfile {path.name}: {total:.2f} s of the main thread's time (sleeps included), "
-          f"{1e3 * total / max(steps, 1):.2f} ms per step; top {n} by own time, µs per step")
+          f"{1e3 * total / count:.2f} ms per {unit}; top {n} by own time, µs per {unit}")
     rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:n]
-    for (file, line, fn), (_, ncall, tt, ct, _) in rows:
-        print(f"  {1e6 * tt / steps:>8.0f} own {1e6 * ct / steps:>8.0f} cum {ncall:>8}  {Path(file).name}:{line} {fn}")
+    if by_cum:
+        rows += [None] + sorted(st.stats.items(), key=lambda kv: -kv[1][3])[:by_cum]
+    for row in rows:
+        if row is None:
+            print(f"  -- top {by_cum} by cumulative time")
+            continue
+        (file, line, fn), (_, ncall, tt, ct, _) = row
+        print(f"  {1e6 * tt / count:>8.0f} own {1e6 * ct / count:>8.0f} cum {ncall:>8}  {Path(file).name}:{line} {fn}")
 
 
 def main(argv=None) -> int:
@@ -167,7 +203,8 @@ def main(argv=None) -> int:
     p.add_argument("--input-len", type=int, nargs=2, default=(128, 512))
     p.add_argument("--output-len", type=int, nargs=2, default=(64, 256))
     p.add_argument("--serve-args", default="--engine-core process")
-    p.add_argument("--profile", action="store_true", help="cProfile the engine core and the offline run")
+    p.add_argument("--profile", action="store_true", help="cProfile the API process (intake, streaming), the "
+                   "engine core and the offline run")
     p.add_argument("--send-per-pass", action="store_true", help="the before of the A/B: the API process "
                    "sends its commands to the core once per pass of its event loop, as before 2026-11-26")
     p.add_argument("--json", type=Path, default=None, help="write the numbers here")
@@ -183,7 +220,7 @@ def main(argv=None) -> int:
         work, trace = Path(tmp), Path(tmp) / "trace"
         trace.mkdir()
         model = args.model or (str(tiny_checkpoint(work / "tiny")) if args.device == "cpu" else None)
-        traced_env(trace, args.emulate, args.profile, args.send_per_pass)
+        traced_env(trace, args.emulate, args.profile, args.send_per_pass, args.num_prompts)
         reqs = random_workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), seed=12,
                                prompt_format="ids")
         r = run_once(model, args.device, reqs, work, shlex.split(args.serve_args))
@@ -204,7 +241,11 @@ def main(argv=None) -> int:
         res["offline"] = describe("offline LLM.generate", offline, offline["adds"][0][0], cfg.max_num_seqs,
                                   cfg.max_num_batched_tokens)
         cpu_split(r, core, offline)
+        res["api"] = api_phases(trace, r["sends"][0], args.num_prompts, r["output_tokens"])
         if args.profile:
+            for phase in ("intake", "stream"):
+                for f in sorted(trace.glob(f"api-*-{phase}.prof")):
+                    top_profile(f, args.num_prompts, unit="request", by_cum=14)
             for f in sorted(trace.glob("core-*.prof")):
                 top_profile(f, len(core["steps"]))
             for f in sorted(trace.glob("offline-*.prof")):

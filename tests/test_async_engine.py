@@ -8,6 +8,8 @@ death ends every open stream with an error). Every wait is bounded."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import gc
 import os
 import queue
 import random
@@ -22,7 +24,7 @@ from serve_utils import CONTEXT, engine_factory, failing_steps, no_model
 
 from minillm import LLM, SamplingParams
 from minillm.engine.async_llm_engine import AsyncLLMEngine, EngineNotReady, FinishedStats, outputs_of
-from minillm.engine.core_process import FrameReader, write_frame
+from minillm.engine.core_process import OUT_PIPE_BYTES, FrameReader, write_frame
 
 CORES = ["thread", "process"]
 
@@ -300,6 +302,31 @@ def test_process_core_gets_each_request_as_its_handler_queues_it(folder):
 
     pass_end, stats = run(folder, body, core="process")
     assert stats["b0"].scheduled_time < pass_end, "the first request reached the core only after the whole pass"
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_heap_frozen_while_serving(folder, core):
+    """Once the engine serves, the API process's heap (the imports, the tokenizer) is frozen, so a burst
+    of requests sets off no full collection that walks it (~0.5 s each on a 2-core CPU, with the loop
+    taking nothing in meanwhile: scripts/serve_steps_cpu.py); once it stops, it is collectable again
+    (a dropped engine's GPU pool is freed only by the collector)."""
+    async def body(engine):
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        await _all(engine.generate("a", [1, 2, 3], params))
+        return gc.get_freeze_count()
+
+    assert run(folder, body, core=core) > 100_000  # the SmolLM2 tokenizer's vocabulary and merges alone
+    assert gc.get_freeze_count() == 0
+
+
+def test_command_pipe_holds_a_burst(folder):
+    """The API process's commands go down a pipe the core's reader thread drains only when it gets its
+    GIL from a step. At Linux's default 64 KiB, a burst of adds (~1.4 KB each at 300 prompt tokens)
+    fills it after ~45 requests, and the event loop then waits in every write; widened, 384 fit."""
+    async def body(engine):
+        return fcntl.fcntl(engine.core._cmd_conn.fileno(), fcntl.F_GETPIPE_SZ)
+
+    assert run(folder, body, core="process") >= OUT_PIPE_BYTES
 
 
 def test_rows_merged_keep_every_stream(seed):

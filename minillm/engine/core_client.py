@@ -33,7 +33,14 @@ import os
 import queue
 import threading
 
-from .core_process import OUT_PIPE_BYTES, FrameReader, build_engine, run_core_process
+from .core_process import (
+    OUT_PIPE_BYTES,
+    FrameReader,
+    build_engine,
+    freeze_gc_heap,
+    run_core_process,
+    unfreeze_gc_heap,
+)
 from .engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
@@ -83,7 +90,9 @@ class InprocCore:
         def fatal(reason):
             front.dead = reason  # before the last deliveries: nobody may add to a dead core
 
-        if (reason := EngineCore(engine, self.commands, publish, fatal).run()) is not None:
+        reason = EngineCore(engine, self.commands, publish, fatal).run()
+        unfreeze_gc_heap()  # build_engine froze it: the engine's memory is the collector's to free again
+        if reason is not None:
             front.call_soon(front.core_ended, reason)
             return
         engine.shutdown()
@@ -108,6 +117,7 @@ class ProcCore:
         cmd_r, self._cmd_conn = ctx.Pipe(duplex=False)
         self._out_conn, out_w = ctx.Pipe(duplex=False)
         _widen(self._out_conn)
+        _widen(self._cmd_conn)
         level = logging.getLogger().getEffectiveLevel()
         self.proc = ctx.Process(target=run_core_process, name="minillm-engine-core", daemon=True,
                                 args=(self.front.make_engine, self.front.warm_up, cmd_r, out_w, level))
@@ -158,6 +168,7 @@ class ProcCore:
                 batch += msg[1]
             elif msg[0] == "ready":
                 front.engine, front.warm_up_seconds = msg[1], msg[2]
+                freeze_gc_heap()  # the tokenizer just unpickled, with the imports: not walked while serving
                 front.ready_event.set()
             elif msg[0] == "load_error":
                 front.load_failed(msg[1])
@@ -173,6 +184,7 @@ class ProcCore:
         if self._ended:
             return
         self._ended = True
+        unfreeze_gc_heap()
         self.front.loop.remove_reader(self._out_conn.fileno())
         self._out_conn.close()
         self._cmd_conn.close()
@@ -196,7 +208,10 @@ class ProcCore:
 
 
 def _widen(conn) -> None:
-    """Let the core's pipe hold ~1 MiB (dozens of steps' deltas) instead of 64 KiB: a core whose pipe
-    is full waits in send(), so a loop behind by a few steps would hold the engine back again."""
+    """Let a pipe hold ~1 MiB instead of 64 KiB. The core's (dozens of steps' deltas): a core whose pipe
+    is full waits in send(), so a loop behind by a few steps would hold the engine back again. The
+    commands' (hundreds of requests, ~1.4 KB each at 300 prompt tokens): an event loop whose write
+    finds the pipe full waits, every connection with it, until the core's reader thread gets its
+    GIL back from a step (the burst of scripts/serve_steps_cpu.py fills 64 KiB in ~45 requests)."""
     with contextlib.suppress(AttributeError, OSError):  # not Linux, or over the limit: keep the default
         fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, OUT_PIPE_BYTES)

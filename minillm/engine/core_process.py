@@ -3,7 +3,7 @@ framing of the messages it sends back (chapter 12).
 
     run_core_process(make_engine, warm_up, commands, out, log_level)    the child's main
 
-The child builds the engine, sends ("ready", EngineView, warm-up seconds) (or ("load_error", why)),
+The child builds the engine (and freezes its heap: freeze_gc_heap), sends ("ready", EngineView, warm-up seconds) (or ("load_error", why)),
 then runs an EngineCore whose every pass sends ("out", rows, load), through a writer thread
 (Writer) that pickles and writes while the core goes on to its next step. A reader thread moves the
 command lists that come down the other pipe into the core's queue.Queue as they arrive. Messages out
@@ -13,6 +13,7 @@ are pickles behind an 8-byte length (write_frame), which the API process reads w
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -29,11 +30,36 @@ OUT_PIPE_BYTES = 1 << 20  # Linux's default limit for a pipe (/proc/sys/fs/pipe-
 
 
 def build_engine(make_engine, warm_up) -> tuple[object, float | None]:
-    """make_engine(), warmed up if asked (warm_up "auto": on a GPU only) -> (engine, warm-up seconds)."""
+    """make_engine(), warmed up if asked (warm_up "auto": on a GPU only), its process's heap frozen
+    (freeze_gc_heap) -> (engine, warm-up seconds)."""
     engine = make_engine()
+    seconds = None
     if warm_up is True or (warm_up == "auto" and engine.sizes.device.type == "cuda"):
-        return engine, engine.warm_up()
-    return engine, None
+        seconds = engine.warm_up()
+    freeze_gc_heap()
+    return engine, seconds
+
+
+def freeze_gc_heap() -> None:
+    """Move every object alive now into the collector's permanent generation (vLLM's freeze_gc_heap,
+    called once a server is built and warmed up, before it serves).
+
+    A serving process holds hundreds of thousands of objects that live as long as it does: the
+    imports (torch, FastAPI, pydantic), the tokenizer's vocabulary and merges (~500,000 for
+    SmolLM2's), the model's modules. Python's full collection walks all of them whenever enough
+    new objects have survived since the last one, and a burst of requests makes exactly those: in
+    the API process, 384 requests at once set off one or two full collections of ~0.5 s each on a
+    2-core CPU (scripts/serve_steps_cpu.py), during which the event loop takes in nothing and the
+    core steps the few requests it has. Frozen, a full collection walks only what came since.
+    Collected first, so today's garbage is not made immortal. unfreeze_gc_heap undoes it when the
+    engine stops: a dropped engine's GPU pool is freed only by the collector (cache/paged.py)."""
+    gc.collect()
+    gc.freeze()
+
+
+def unfreeze_gc_heap() -> None:
+    """The frozen objects back into the oldest generation, collectable again (freeze_gc_heap)."""
+    gc.unfreeze()
 
 
 class FrameReader:

@@ -19,6 +19,11 @@ Each process that steps writes {dir}/{core|offline}-{pid}.jsonl, one line per bu
 first request to the engine's going idle). With MINILLM_CORE_PROFILE set, the engine core runs under
 cProfile and writes {dir}/core-{pid}.prof when it stops; each LLM.generate call writes
 {dir}/offline-{pid}.prof (the last call's, the timed one, is what is left).
+With MINILLM_API_PHASES=WARM,BURST (the API process: the server's event loop), the loop thread's CPU
+and wall time are stamped at two moments, written to {dir}/api-{pid}.json: the WARM-th request
+finishing (the warm-up is over) and the (WARM + BURST)-th request leaving for the core (the burst is
+in: intake is over; streaming remains), with the garbage collector's pauses so far. With MINILLM_CORE_PROFILE set too, the loop runs under a
+cProfile per phase: {dir}/api-{pid}-{intake|stream}.prof.
 With MINILLM_SEND_PER_PASS set, the API process sends its commands to the core as it did before
 2026-11-26: buffered until the event loop's current pass is over (the A/B of scripts/serve_steps_cpu.py
 --send-per-pass). Without MINILLM_STEP_TRACE_DIR it does nothing beyond the emulation.
@@ -155,3 +160,66 @@ if _DIR:
                 prof.dump_stats(os.path.join(_DIR, f"offline-{os.getpid()}.prof"))
 
         EngineCore.run, LLM.generate = run, generate
+
+    if os.environ.get("MINILLM_API_PHASES"):  # the server's event loop: intake, then streaming
+        import gc
+
+        from minillm.engine.async_llm_engine import AsyncLLMEngine
+
+        _warm, _burst = map(int, os.environ["MINILLM_API_PHASES"].split(","))
+        _api = {"adds": 0, "finished": 0, "phase": None, "prof": None, "marks": [], "gc": [0.0, 0, 0, 0], "gc_t0": 0.0}
+
+        def _gc_timer(event: str, info: dict) -> None:
+            """The garbage collector's pauses: [seconds, collections of generation 0, 1, 2]."""
+            if event == "start":
+                _api["gc_t0"] = time.perf_counter()
+            else:
+                _api["gc"][0] += time.perf_counter() - _api["gc_t0"]
+                _api["gc"][1 + info["generation"]] += 1
+
+        gc.callbacks.append(_gc_timer)
+        _profile_api = bool(os.environ.get("MINILLM_CORE_PROFILE"))
+
+        def _api_phase(name: str | None) -> None:
+            """End the phase running (its profile written), and begin `name` (None: the server stops)."""
+            _api["marks"].append([_api["phase"], time.perf_counter(), time.thread_time(), *_api["gc"]])
+            if _api["prof"] is not None:
+                _api["prof"].disable()
+                _api["prof"].dump_stats(os.path.join(_DIR, f"api-{os.getpid()}-{_api['phase']}.prof"))
+            _api["phase"], _api["prof"] = name, None
+            if name is not None and _profile_api:
+                _api["prof"] = cProfile.Profile()  # this thread only: the event loop's
+                _api["prof"].enable()
+            if name is None:  # [[phase ended, perf_counter, thread CPU, GC seconds, GC collections by
+                # generation], ...] (the GC's: since the process began), the first the warm-up's end
+                with open(os.path.join(_DIR, f"api-{os.getpid()}.json"), "w") as f:
+                    json.dump(_api["marks"], f)
+
+        _front_add = AsyncLLMEngine.add_request
+
+        @functools.wraps(_front_add)
+        def front_add(self, *args, **kwargs):
+            out = _front_add(self, *args, **kwargs)
+            _api["adds"] += 1
+            if _api["adds"] == _warm + _burst and _api["phase"] == "intake":
+                _api_phase("stream")
+            return out
+
+        _deliver = AsyncLLMEngine.deliver
+
+        @functools.wraps(_deliver)
+        def deliver(self, rows):
+            _deliver(self, rows)
+            _api["finished"] += sum(1 for row in rows if row[1])
+            if _api["phase"] is None and not _api["marks"] and _api["finished"] >= _warm:
+                _api_phase("intake")
+
+        _front_shutdown = AsyncLLMEngine.shutdown
+
+        @functools.wraps(_front_shutdown)
+        async def front_shutdown(self, *args, **kwargs):
+            if _api["phase"] is not None:
+                _api_phase(None)
+            return await _front_shutdown(self, *args, **kwargs)
+
+        AsyncLLMEngine.add_request, AsyncLLMEngine.deliver, AsyncLLMEngine.shutdown = front_add, deliver, front_shutdown
