@@ -41,6 +41,7 @@ def traced_env(trace: Path, emulate: str, profile: bool, send_per_pass: bool, bu
     os.environ["MINILLM_STEP_TRACE_DIR"] = str(trace)
     os.environ.pop("MINILLM_EMULATE_STEP_US", None)
     os.environ["MINILLM_API_PHASES"] = f"{WARM},{burst}"
+    os.environ["MINILLM_CLIENT_WIRE"] = "1"  # the client stamps its connections and writes
     if emulate:
         os.environ["MINILLM_EMULATE_STEP_US"] = emulate
     for name, on in (("MINILLM_CORE_PROFILE", profile), ("MINILLM_SEND_PER_PASS", send_per_pass)):
@@ -119,15 +120,33 @@ def describe(name: str, tr: dict, t0: float, max_num_seqs: int, budget: int) -> 
     return dict(steps=len(tr["steps"]), scheduled_steps=len(steps), full_batch_step=full, phases=out, deciles=deciles)
 
 
-def intake(r: dict, core: dict) -> dict:
-    """When the burst left the client, reached the API process, reached the engine core."""
+def wire(trace: Path, t0: float) -> dict[str, list[float]]:
+    """The sitecustomize's stamps on the wire, seconds after the first send (the warm-up's dropped):
+    the client's connections open and requests written, the server's connections accepted and
+    requests parsed."""
+    out = {}
+    for side, keys in (("client", ("connected", "written")), ("api", ("accepted", "parsed"))):
+        files = sorted(trace.glob(f"wire-{side}-*.json"))
+        stamps = json.loads(files[-1].read_text()) if files else {}
+        for k in keys:
+            out[k] = sorted(s - t0 for s in stamps.get(k, []) if s >= t0)
+    return out
+
+
+def intake(r: dict, core: dict, trace: Path) -> dict:
+    """When the burst left the client, went on the wire, reached the API process and the engine core."""
     t0, adds = r["sends"][0], core["adds"]
     api = [a[1] - t0 for a in adds if a[1] is not None]
     at_core = [a[0] - t0 for a in adds]
     sends = [t - t0 for t in r["sends"]]
     first_step = core["steps"][0][0] - t0
+    w = wire(trace, t0)
     print(f"\n== intake of {len(sends)} requests, seconds after the client's first send")
-    for label, xs in (("client sent", sends), ("API process took it in (arrival)", api), ("reached the engine core", at_core)):
+    rows = (("client sent (its coroutine began)", sends), ("client: connection open", w["connected"]),
+            ("client: request written", w["written"]), ("server accepted a connection", w["accepted"]),
+            ("server parsed a request", w["parsed"]), ("API process took it in (arrival)", api),
+            ("reached the engine core", at_core))
+    for label, xs in ((label, xs) for label, xs in rows if xs):
         print(f"  {label:<34} p0 {pct(xs, 0):.3f}  p10 {pct(xs, .1):.3f}  p50 {pct(xs, .5):.3f}  "
               f"p90 {pct(xs, .9):.3f}  p100 {pct(xs, 1):.3f}")
     lag = [a[0] - a[1] for a in adds if a[1] is not None]
@@ -137,7 +156,8 @@ def intake(r: dict, core: dict) -> dict:
     print(f"  the core's first step began at {first_step:.3f} s; {steps_before} steps ran before the last "
           f"request reached it")
     return dict(send_p100=pct(sends, 1), api_p50=pct(api, .5), api_p100=pct(api, 1), core_p50=pct(at_core, .5),
-                core_p100=pct(at_core, 1), steps_before_last_add=steps_before)
+                core_p100=pct(at_core, 1), steps_before_last_add=steps_before,
+                wire={k: [pct(xs, q) for q in (0, .1, .5, .9, 1)] for k, xs in w.items() if xs})
 
 
 def cpu_split(r: dict, core: dict, offline: dict) -> None:
@@ -236,7 +256,7 @@ def main(argv=None) -> int:
         offline = read_trace(trace, "offline", None)
         res = dict(args={k: str(v) for k, v in vars(args).items()}, served_tps=r["served_tps"],
                    offline_tps=off["output_tokens"] / off["seconds"], served_steps=r["steps"],
-                   offline_steps=off["steps"], ttft_ms=r["ttft_ms"], intake=intake(r, core))
+                   offline_steps=off["steps"], ttft_ms=r["ttft_ms"], intake=intake(r, core, trace))
         res["served"] = describe("served (engine core)", core, r["sends"][0], cfg.max_num_seqs, cfg.max_num_batched_tokens)
         res["offline"] = describe("offline LLM.generate", offline, offline["adds"][0][0], cfg.max_num_seqs,
                                   cfg.max_num_batched_tokens)

@@ -223,3 +223,60 @@ if _DIR:
             return await _front_shutdown(self, *args, **kwargs)
 
         AsyncLLMEngine.add_request, AsyncLLMEngine.deliver, AsyncLLMEngine.shutdown = front_add, deliver, front_shutdown
+
+        # the wire, server side: when uvicorn accepted each connection and finished parsing each request
+        # (httptools), so a late arrival can be told apart from a late request: written with the marks
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        _wire = {"accepted": [], "parsed": []}
+        _made, _complete = HttpToolsProtocol.connection_made, HttpToolsProtocol.on_message_complete
+
+        def connection_made(self, transport):
+            _wire["accepted"].append(time.perf_counter())
+            return _made(self, transport)
+
+        def on_message_complete(self):
+            _wire["parsed"].append(time.perf_counter())
+            return _complete(self)
+
+        HttpToolsProtocol.connection_made, HttpToolsProtocol.on_message_complete = connection_made, on_message_complete
+        _api_phase_marks = _api_phase
+
+        def _api_phase(name):  # noqa: F811 (the same, and the wire stamps beside the marks at the end)
+            _api_phase_marks(name)
+            if name is None:
+                with open(os.path.join(_DIR, f"wire-api-{os.getpid()}.json"), "w") as f:
+                    json.dump(_wire, f)
+
+    if os.environ.get("MINILLM_CLIENT_WIRE"):  # the benchmark client: when each request's connection was
+        # open and when its bytes were written (aiohttp), against its `start` stamp
+        import aiohttp.client_reqrep
+        import aiohttp.connector
+
+        import minillm.bench.serve as _bench_serve
+
+        _cwire = {"connected": [], "written": []}
+        _create, _send = aiohttp.connector.TCPConnector._create_connection, aiohttp.client_reqrep.ClientRequest.send
+
+        async def _create_connection(self, req, traces, timeout):
+            out = await _create(self, req, traces, timeout)
+            _cwire["connected"].append(time.perf_counter())
+            return out
+
+        async def _send_req(self, conn):
+            out = await _send(self, conn)
+            _cwire["written"].append(time.perf_counter())
+            return out
+
+        aiohttp.connector.TCPConnector._create_connection = _create_connection
+        aiohttp.client_reqrep.ClientRequest.send = _send_req
+        _run_requests = _bench_serve.run_requests
+
+        async def run_requests(*args, **kwargs):
+            _cwire["connected"].clear(), _cwire["written"].clear()  # the warm-up request's
+            out = await _run_requests(*args, **kwargs)
+            with open(os.path.join(_DIR, f"wire-client-{os.getpid()}.json"), "w") as f:
+                json.dump(_cwire, f)
+            return out
+
+        _bench_serve.run_requests = run_requests
