@@ -242,7 +242,7 @@ if _DIR:
         HttpToolsProtocol.connection_made, HttpToolsProtocol.on_message_complete = connection_made, on_message_complete
         _api_phase_marks = _api_phase
 
-        def _api_phase(name):  # noqa: F811 (the same, and the wire stamps beside the marks at the end)
+        def _api_phase(name):  # the same, and the wire stamps written beside the marks at the end
             _api_phase_marks(name)
             if name is None:
                 with open(os.path.join(_DIR, f"wire-api-{os.getpid()}.json"), "w") as f:
