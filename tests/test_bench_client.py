@@ -26,7 +26,7 @@ def burst_server(burst: int, api_key: str | None = None, hold: float = 20.0):
     """A server that streams a token every 2 ms to each timed request until `burst` of them are in
     flight together, then ends them all (after `hold` seconds without the whole burst: an error
     event). The client's untimed test request gets one token at once. Yields (url, state)."""
-    state = {"arrivals": [], "in_flight": 0, "peak": 0}
+    state = {"arrivals": [], "in_flight": 0, "peak": 0, "opened": set(), "found_open": 0}
     started = threading.Event()
 
     async def completions(request):
@@ -36,6 +36,7 @@ def burst_server(burst: int, api_key: str | None = None, hold: float = 20.0):
         if body["max_tokens"] <= PROBE_TOKENS:  # the client's untimed test request
             return await _answer(request)
         state["arrivals"].append(time.perf_counter())
+        state["found_open"] += id(request.transport) in state["opened"]  # its connection was opened before
         state["in_flight"] += 1
         state["peak"] = max(state["peak"], state["in_flight"])
         if len(state["arrivals"]) == burst:
@@ -63,6 +64,10 @@ def burst_server(burst: int, api_key: str | None = None, hold: float = 20.0):
         await response.write(b"data: [DONE]\n\n")
         return response
 
+    async def health(request):
+        state["opened"].add(id(request.transport))
+        return web.Response()
+
     async def models(request):
         return web.json_response({"data": [{"id": "stand-in"}]})
 
@@ -73,6 +78,7 @@ def burst_server(burst: int, api_key: str | None = None, hold: float = 20.0):
         app = web.Application()
         app.router.add_post("/v1/completions", completions)
         app.router.add_get("/v1/models", models)
+        app.router.add_get("/health", health)
         runner = web.AppRunner(app, access_log=None)
         loop.run_until_complete(runner.setup())
         site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
@@ -162,3 +168,14 @@ def test_serve_loop_bench_runs_and_loses_nothing():
     rows = run(streams=3, tokens=9, behind=(1, 4), repeat=1)
     assert [r["steps behind"] for r in rows] == [1, 4]
     assert all(r["loop CPU us/token"] > 0 and r["tokens"] == 27 for r in rows)
+
+
+def test_a_burst_finds_its_connections_open():
+    """At rate inf the client opens a connection per request before its clock starts, and every request
+    of the burst goes out on one of them: no TCP handshake is inside the measured burst."""
+    burst = 64
+    with burst_server(burst) as (url, state):
+        results, _, _ = asyncio.run(run_requests(url, _requests(burst), progress=False))
+    assert [r.error for r in results if not r.success] == []
+    assert len(state["opened"]) == burst
+    assert state["found_open"] == burst
