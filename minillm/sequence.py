@@ -44,9 +44,10 @@ class Sequence:
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
         # The text is detokenized when someone reads it (a stream, the final output), not per token in
         # the step (chapter 13: at batch 256 the per-token detokenizer was a quarter of the host's step).
-        # Stop strings need the text at every token, so those sequences detokenize as they go.
+        # Stop strings need the text at every token, so those sequences detokenize as they go; the
+        # server's engine core sends text only for them, and token ids for the rest (engine_core.py).
         self._text, self._detok_upto, self._flushed = "", 0, False
-        self._eager_text = bool(params.stop)
+        self.eager_text = bool(params.stop)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
@@ -138,7 +139,7 @@ class Sequence:
         if self.logprobs is not None and entry is not None:
             self.logprobs.append(entry)
         before = len(self._text)
-        if self._eager_text:  # stop strings are matched in the text this token adds
+        if self.eager_text:  # stop strings are matched in the text this token adds
             self._text += self.detok.step(token_id)
             self._detok_upto = len(self.output_ids)
         self._check_stop(token_id, before)
@@ -173,9 +174,11 @@ class Sequence:
         self._streamed = end
         return delta
 
-    def to_output(self) -> CompletionOutput:
+    def to_output(self, detokenize: bool = True) -> CompletionOutput:
+        """detokenize=False: text None, for a caller that detokenizes the ids itself (the server's API
+        process does, deltas.py), so that the engine core does not decode a finished request whole."""
         return CompletionOutput(
-            index=self.index, text=self.text, token_ids=list(self.output_ids),
+            index=self.index, text=self.text if detokenize else None, token_ids=list(self.output_ids),
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
             logprobs=self.logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
         )

@@ -40,7 +40,7 @@ class _NoCore:
 
 def _front() -> AsyncLLMEngine:
     engine = AsyncLLMEngine(lambda: None)
-    engine.core, engine.engine = _NoCore(), SimpleNamespace(max_model_len=1 << 20)
+    engine.core, engine.engine = _NoCore(), SimpleNamespace(max_model_len=1 << 20, tokenizer=None)  # rows bring text
     engine.ready_event.set()
     return engine
 

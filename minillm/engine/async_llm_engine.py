@@ -22,7 +22,8 @@ step. A process has a GIL of its own, at the price of pickling each step's delta
 
 Each request's stream carries RequestOutputs in delta form, built by the reader from the core's rows
 (deltas.py); a reader that fell behind gets several steps' rows as one output per request, so under
-load the server writes fewer, larger chunks.
+load the server writes fewer, larger chunks. The core sends token ids; their text is made here, as
+each row arrives (deltas.RequestDetokenizer), except where the core had to make it to match stop strings.
 
 `check` (LLMEngine.check_request) runs on the caller's thread so a bad request is refused before it
 is queued, with an HTTP status rather than a broken stream. It reads only what is fixed once the
@@ -44,7 +45,7 @@ from contextlib import aclosing
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
 from .core_client import ENGINE_CORES, InprocCore, ProcCore
-from .deltas import Inbox, outputs_of
+from .deltas import Inbox, RequestDetokenizer, outputs_of
 from .engine_core import EngineLoad, FinishedStats, failed_row
 
 __all__ = ["AsyncLLMEngine", "EngineLoad", "EngineNotReady", "FinishedStats", "Inbox", "RequestStream", "outputs_of"]
@@ -77,7 +78,8 @@ class AsyncLLMEngine:
         self.make_engine, self.warm_up, self.on_finished = make_engine, warm_up, on_finished
         self.engine_core = engine_core
         self.core = (ProcCore if engine_core == "process" else InprocCore)(self)
-        self._streams: dict[str, tuple[asyncio.Queue | Inbox, list[int], float]] = {}  # event loop side only
+        # request id -> (where its rows go, prompt ids, arrival, its detokenizers): the event loop's side only
+        self._streams: dict[str, tuple[asyncio.Queue | Inbox, list[int], float, RequestDetokenizer]] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.ready_event = threading.Event()
         self.engine = None  # the LLMEngine (thread) or an EngineView (process): read here for its fixed parts
@@ -123,7 +125,8 @@ class AsyncLLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         out = asyncio.Queue() if out is None else out
         arrival = time.perf_counter()
-        self._streams[request_id] = (out, prompt_ids, arrival)
+        detok = RequestDetokenizer(self.engine.tokenizer, params.skip_special_tokens)
+        self._streams[request_id] = (out, prompt_ids, arrival, detok)
         self.core.send(("add", request_id, prompt_ids, params, arrival))
         return out
 
@@ -173,12 +176,14 @@ class AsyncLLMEngine:
     # ---- called by the core client (core_client.py) ----------------------------------------------
 
     def deliver(self, rows: list[tuple]) -> None:
-        """On the event loop: hand one step's rows (or several steps') to their streams, as they are:
-        the reader makes one output per request of all it finds (deltas.py)."""
+        """On the event loop: hand one step's rows (or several steps') to their streams, their text
+        filled in from their token ids: the reader makes one output per request of all it finds
+        (deltas.py). A request's detokenizers go with its last row (finished, aborted or failed)."""
         streams = self._streams
         for row in rows:
             entry = streams.get(row[0])
             if entry is not None:
+                row = entry[3].fill(row)
                 entry[0].put_nowait(row)
             if row[1]:  # finished
                 streams.pop(row[0], None)
@@ -201,7 +206,7 @@ class AsyncLLMEngine:
         open ends with the error; then on_dead."""
         self.dead = self.dead or reason
         logger.error("the engine core stopped serving: %s", self.dead)
-        self.deliver([failed_row(rid, len(ids), self.dead, arrival) for rid, (_, ids, arrival) in self._streams.items()])
+        self.deliver([failed_row(rid, len(ids), self.dead, arrival) for rid, (_, ids, arrival, _) in self._streams.items()])
         if self._on_dead is not None:
             self._on_dead()
 

@@ -1,5 +1,6 @@
-"""A request's deltas on the event loop's side (chapter 12): where the core's rows wait to be read
-(Inbox), and how every row a reader finds becomes one RequestOutput per request (outputs_of).
+"""A request's deltas on the event loop's side (chapter 12): their text made of the token ids the
+core sent (RequestDetokenizer), where the rows wait to be read (Inbox), and how every row a reader
+finds becomes one RequestOutput per request (outputs_of).
 
 The core sends rows, plain tuples (engine_core.py), one per request it changed, once per step. The
 loop does not turn them into objects when they arrive: it drops each row into its request's Inbox,
@@ -10,6 +11,11 @@ a wake-up (one object, one SSE event per choice, one socket write) is shared by 
 under load the loop's cost per token falls instead of the backlog growing (vLLM's
 RequestOutputCollector and its stream_interval, applied only when the reader is behind). Put back
 together, a stream is the same either way.
+
+The core makes text only for sequences with stop strings (it must match them as the text grows);
+every other row arrives with text None and its token ids, and AsyncLLMEngine.deliver fills the text
+in as the row arrives, before anyone reads it (vLLM V1's OutputProcessor and its per-request
+IncrementalDetokenizer): the decoding runs in the API process, not in the one that drives the GPU.
 """
 
 from __future__ import annotations
@@ -18,6 +24,40 @@ import asyncio
 from collections.abc import Callable
 
 from ..outputs import CompletionOutput, RequestOutput
+from ..tokenizer import IncrementalDetokenizer
+
+
+class RequestDetokenizer:
+    """The text of one request's completions, made of the token ids its rows carry: one
+    IncrementalDetokenizer per completion, the one Sequence.text runs, with the request's own
+    skip_special_tokens, so a completion's pieces join to the same string LLM.generate returns."""
+
+    __slots__ = ("detoks", "skip_special_tokens", "tokenizer")
+
+    def __init__(self, tokenizer, skip_special_tokens: bool):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.detoks: dict[int, IncrementalDetokenizer] = {}  # completion index -> its detokenizer, while it runs
+
+    def fill(self, row: tuple) -> tuple:
+        """The row with every completion's text None replaced by the text its new ids add; a completion
+        that ends is flushed (an unfinished character at the end becomes U+FFFD, as in Sequence.text) and
+        forgotten. Texts the core sent (stop strings, errors) pass as they are."""
+        rid, finished, error, metrics, outs = row
+        filled = []
+        for o in outs:
+            if o[1] is None:
+                index, ids, end = o[0], o[2], o[5]
+                detok = self.detoks.get(index)
+                if detok is None:
+                    detok = self.detoks[index] = IncrementalDetokenizer(self.tokenizer, self.skip_special_tokens)
+                step = detok.step
+                text = "".join([step(t) for t in ids])
+                if end is not None:  # the completion's last row
+                    text += detok.flush()
+                    del self.detoks[index]
+                o = (index, text, *o[2:])
+            filled.append(o)
+        return rid, finished, error, metrics, filled
 
 
 class Inbox:

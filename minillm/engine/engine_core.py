@@ -17,8 +17,12 @@ the reader's side): only what is new since the last one (vLLM's RequestOutputKin
 because in process mode every row crosses a pipe each step: pickled, they are 4x smaller and faster
 than the objects. A pass rows only the requests it can have changed: those with a running sequence,
 those it finished, aborted or failed. A request still waiting costs nothing per step, however long
-the queue. Text comes from Sequence.stream_delta, which holds back what could still be
-the start of a stop string, so a stop string never reaches a client. A request's last delta has
+the queue. A row carries token ids, and text only where the core makes it anyway: a sequence with
+stop strings matches them in its text as it grows, and its row's text is Sequence.stream_delta,
+which holds back what could still be the start of a stop string, so a stop string never reaches a
+client. Every other row's text is None, and the API process detokenizes its ids (deltas.py,
+vLLM V1's split): decoding every request's tokens here, every step, was a third of this process's
+CPU, serialised with the GPU steps it drives. A request's last delta has
 finished=True and a FinishedStats as `metrics`. A request whose step failed ends with finish_reason
 "error" and RequestOutput.error; an aborted one with "abort", its blocks freed before the next step.
 """
@@ -74,13 +78,14 @@ class _Tracked:
 
     def row(self) -> tuple | None:
         """(request id, finished, error, FinishedStats or None, [(index, text, token ids, cumulative
-        logprob, logprobs, finish reason, stop reason) per completion with news]), or None: no news."""
+        logprob, logprobs, finish reason, stop reason) per completion with news]), or None: no news.
+        text is None where the reader detokenizes the ids (every sequence without stop strings)."""
         outs = []
         for i, seq in enumerate(self.group.seqs):
             if self.done[i]:
                 continue
             n, start = len(seq.output_ids), self.sent[i]
-            text = seq.stream_delta()
+            text = seq.stream_delta() if seq.eager_text else None
             if n == start and not seq.finished and not text:
                 continue
             logprobs = seq.logprobs[start:n] if seq.logprobs is not None else None
@@ -114,6 +119,7 @@ class EngineCore:
 
     def run(self) -> str | None:
         """Serve until stopped. -> None, or why the loop failed (every request was ended with it)."""
+        self.engine.detokenize = False  # the outputs of step() are read for their request ids only
         try:
             self._serve()
         except Exception as e:  # nothing can be trusted now
@@ -127,6 +133,8 @@ class EngineCore:
             self._changed.update(dict.fromkeys(self.tracked))
             self._publish()
             return reason
+        finally:
+            self.engine.detokenize = True
         return None
 
     def _serve(self) -> None:

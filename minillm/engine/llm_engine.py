@@ -93,11 +93,11 @@ class SequenceGroup:
         seqs = self.seqs
         return seqs[0].finished if len(seqs) == 1 else all(s.finished for s in seqs)
 
-    def to_output(self, speculative: bool = False) -> RequestOutput:
+    def to_output(self, speculative: bool = False, detokenize: bool = True) -> RequestOutput:
         spec = SpecDecodeMetrics()
         for s in self.seqs if speculative else ():
             spec = spec.merge(s.spec)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, [s.to_output() for s in self.seqs],
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, [s.to_output(detokenize) for s in self.seqs],
                              finished=self.finished, metrics=self.metrics, error=self.error,
                              spec=spec if speculative else None)
 
@@ -143,6 +143,9 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         self.groups: dict[str, SequenceGroup] = {}
         self._group_of: dict[int, SequenceGroup] = {}
         self._seq_ids, self._arrivals = itertools.count(1), itertools.count()
+        # False: the outputs step() returns carry text None (Sequence.to_output). The server's engine core
+        # sets it: its API process detokenizes the token ids (deltas.py), off the process that steps.
+        self.detokenize = True
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -381,7 +384,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
                 for s in group.seqs:
                     self._group_of.pop(s.seq_id, None)
             if group.finished or unfinished_outputs:
-                outputs.append(group.to_output(self.has_proposer))
+                outputs.append(group.to_output(self.has_proposer, self.detokenize))
         return outputs
 
     def _fail(self, errors: dict[SequenceGroup, Exception]) -> list[RequestOutput]:
@@ -400,7 +403,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
             self._host_sampled.discard(group.request_id)
             group.metrics.finished_time = time.perf_counter()
             self.engine_stats.num_failed_requests += 1
-            outputs.append(group.to_output(self.has_proposer))
+            outputs.append(group.to_output(self.has_proposer, self.detokenize))
         return outputs
 
     # ---- warm-up ---------------------------------------------------------------------------------
