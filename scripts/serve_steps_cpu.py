@@ -115,7 +115,8 @@ def describe(name: str, tr: dict, t0: float, max_num_seqs: int, budget: int) -> 
         print(f"  {label:<54} {row['steps']:>5} {row['seconds']:>7.2f} {row['decode_seqs']:>11.1f} "
               f"{row['prompt_seqs']:>11.1f} {row['prompt_tokens']:>10.0f} {row['running']:>7.1f} "
               f"{row['waiting']:>7.1f} {row['ms_per_step']:>7.2f} {row['cpu_ms']:>6.2f}")
-    deciles = [statistics.fmean(s[3] for s in steps[i * len(steps) // 10:(i + 1) * len(steps) // 10]) for i in range(10)]
+    tenths = [[s[3] for s in steps[i * len(steps) // 10:(i + 1) * len(steps) // 10]] for i in range(10)]
+    deciles = [statistics.fmean(d) if d else float("nan") for d in tenths]  # a run under ten steps has empty tenths
     print("  decoding sequences per step, by tenth of the run's steps: " + " ".join(f"{d:.0f}" for d in deciles))
     return dict(steps=len(tr["steps"]), scheduled_steps=len(steps), full_batch_step=full, phases=out, deciles=deciles)
 
