@@ -107,6 +107,10 @@ def test_params_are_checked_when_added_and_copied(seed, tok):
     sp.n = 1
     engine.add_request("ok", {"prompt_token_ids": [1, 2]}, sp)
     sp.max_tokens = 50  # the engine's copy keeps what was checked
+    sp.stop_token_ids.append(7)  # its lists too: a shallow copy must not share them
+    sp.stop.append("x")
+    params = engine.groups["ok"].params
+    assert params is not sp and params.stop_token_ids == [] and params.stop == []
     out = _drain(engine)["ok"]
     assert len(out.outputs[0].token_ids) == 3 and _idle_and_empty(engine)
 
