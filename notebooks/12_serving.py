@@ -165,11 +165,12 @@ assert events[-1] == "[DONE]" and chunks[-1]["usage"]["completion_tokens"] <= 24
 # | hand-off | the request checked and queued for the engine core (one pipe message, sent at once) |
 # | queue | queued → the engine step that first runs it begins |
 # | prefill | that step: the prompt's forward pass and the first token sampled |
-# | decode steps | the other n − 1 tokens, one engine step each (detokenizing included) |
+# | decode steps | the other n − 1 tokens, one engine step each |
 # | SSE out | the engine's last step → the client has the last chunk (event loop, JSON, SSE, socket) |
 #
-# The parts add up to the end-to-end latency exactly. Detokenizing happens inside each step; its share
-# is measured apart by replaying the answer's tokens through the same `IncrementalDetokenizer`.
+# The parts add up to the end-to-end latency exactly. Detokenizing happens in the API process, as each
+# step's token ids arrive (overlapping the core's next step; only the last row's falls in SSE out); its
+# share is measured apart by replaying the answer's tokens through the same `IncrementalDetokenizer`.
 
 # %%
 tok = load_tokenizer(MODEL)
