@@ -115,6 +115,25 @@ def test_params_are_checked_when_added_and_copied(seed, tok):
     assert len(out.outputs[0].token_ids) == 3 and _idle_and_empty(engine)
 
 
+def test_a_checked_request_is_queued_as_checked(seed, tok, monkeypatch):
+    """The engine core's intake (add_checked): what check_request returned is queued as it is, its params
+    neither copied nor verified again; the cheap guards that protect a batch stay."""
+    engine, _model, _ = _engine(seed, tok)
+    text, ids, params = engine.check_request("a", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=3, temperature=0))
+    verified = []
+    monkeypatch.setattr(SamplingParams, "verify", lambda self, vocab_size=None: verified.append(self))
+    engine.add_checked("a", text, ids, params)
+    assert engine.groups["a"].params is params and verified == []
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_checked("a", text, ids, params)
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # skipped the check: refused, not run
+        engine.add_checked("b", None, [10**6], params)
+    with pytest.raises(ValueError, match="context"):
+        engine.add_checked("c", None, [1] * engine.max_model_len, params)
+    assert list(engine.groups) == ["a"]
+    assert len(_drain(engine)["a"].outputs[0].token_ids) == 3 and _idle_and_empty(engine)
+
+
 def test_request_ids_must_be_strings(seed, tok):
     engine, _, _ = _engine(seed, tok)
     with pytest.raises(TypeError, match="request_id must be a str"):

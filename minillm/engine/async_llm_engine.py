@@ -44,7 +44,7 @@ from contextlib import aclosing
 
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
-from .core_client import ENGINE_CORES, InprocCore, ProcCore
+from .core_client import ENGINE_CORES, InprocClient, MPClient, call_soon
 from .deltas import Inbox, RequestDetokenizer, outputs_of
 from .engine_core import EngineLoad, FinishedStats, failed_row
 
@@ -77,7 +77,7 @@ class AsyncLLMEngine:
                                 f"{e}") from None
         self.make_engine, self.warm_up, self.on_finished = make_engine, warm_up, on_finished
         self.engine_core = engine_core
-        self.core = (ProcCore if engine_core == "process" else InprocCore)(self)
+        self.core = (MPClient if engine_core == "process" else InprocClient)(make_engine, warm_up, self)
         # request id -> (where its rows go, prompt ids, arrival, its detokenizers): the event loop's side only
         self._streams: dict[str, tuple[asyncio.Queue | Inbox, list[int], float, RequestDetokenizer]] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -97,7 +97,7 @@ class AsyncLLMEngine:
         if the engine cannot be built or its core stops for good."""
         self.loop = asyncio.get_running_loop()
         self._on_dead = on_dead
-        self.core.start()
+        self.core.start(self.loop)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until the core has built the engine (or failed to); False on timeout."""
@@ -173,7 +173,42 @@ class AsyncLLMEngine:
         if not self.ready_event.is_set() or self.engine is None:
             raise EngineNotReady("the model is still loading; try again shortly (GET /health says when)")
 
-    # ---- called by the core client (core_client.py) ----------------------------------------------
+    # ---- the core client reports through these five (core_client.py) -----------------------------
+
+    def on_core_ready(self, engine, warm_up_seconds: float | None) -> None:
+        """Any thread: the engine is built (in process mode an EngineView of it) and warmed up."""
+        self.engine, self.warm_up_seconds = engine, warm_up_seconds
+        self.ready_event.set()
+
+    def on_core_load_failed(self, reason: str) -> None:
+        """Any thread: the engine could not be built."""
+        self.load_error = reason
+        self.ready_event.set()
+        if self._on_dead is not None:
+            self.call_soon(self._on_dead)
+
+    def on_core_output(self, rows: list[tuple], load: EngineLoad) -> None:
+        """On the loop: one pass's rows, or several passes' (a loop that fell behind), and the load after
+        the last of them. The load first: a client that sees a delta sees its step's load."""
+        self.load = load
+        if rows:
+            self.deliver(rows)
+
+    def on_core_dying(self, reason: str) -> None:
+        """Any thread: the core failed and is ending its requests; from now on nothing may be added."""
+        self.dead = reason
+
+    def on_core_ended(self, reason: str | None) -> None:
+        """On the loop: the core is gone. reason None: it stopped as asked (shutdown). Otherwise it
+        failed, or its process died: every stream still open ends with the error; then on_dead."""
+        self.ready_event.set()  # whoever still waits for the engine: it will not come
+        if reason is None:
+            return
+        self.dead = self.dead or reason
+        logger.error("the engine core stopped serving: %s", self.dead)
+        self.deliver([failed_row(rid, len(ids), self.dead, arrival) for rid, (_, ids, arrival, _) in self._streams.items()])
+        if self._on_dead is not None:
+            self._on_dead()
 
     def deliver(self, rows: list[tuple]) -> None:
         """On the event loop: hand one step's rows (or several steps') to their streams, their text
@@ -194,28 +229,9 @@ class AsyncLLMEngine:
                     except Exception:  # a metrics bug must not stop the deliveries
                         logger.exception("on_finished failed")
 
-    def load_failed(self, reason: str) -> None:
-        """Any thread: the engine could not be built."""
-        self.load_error = reason
-        self.ready_event.set()
-        if self._on_dead is not None:
-            self.call_soon(self._on_dead)
-
-    def core_ended(self, reason: str) -> None:
-        """On the loop: the core stopped for good (it failed, or its process died). Every stream still
-        open ends with the error; then on_dead."""
-        self.dead = self.dead or reason
-        logger.error("the engine core stopped serving: %s", self.dead)
-        self.deliver([failed_row(rid, len(ids), self.dead, arrival) for rid, (_, ids, arrival, _) in self._streams.items()])
-        if self._on_dead is not None:
-            self._on_dead()
-
     def call_soon(self, fn, *args) -> None:
         """fn(*args) on the event loop, from any thread."""
-        try:
-            self.loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+        call_soon(self.loop, fn, *args)
 
 
 class RequestStream:

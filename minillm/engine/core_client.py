@@ -48,14 +48,31 @@ logger = logging.getLogger(__name__)
 ENGINE_CORES = ("thread", "process")
 
 
-class InprocCore:
-    """The engine core in a thread of this process. `front` is the AsyncLLMEngine it serves."""
+def call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """fn(*args) on the event loop, from any thread; nothing once the loop is closed (nobody listens)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
 
-    def __init__(self, front):
-        self.front, self.commands = front, queue.Queue()
+
+class InprocClient:
+    """The engine core in a thread of this process.
+
+    A client knows its front (the AsyncLLMEngine) only by the five callbacks it reports through, as
+    vLLM's clients hand their front outputs and nothing else:
+        on_core_ready(engine, warm_up_seconds)   any thread: the engine is built and warmed up
+        on_core_load_failed(reason)              any thread: it could not be built
+        on_core_output(rows, load)               on the loop: a pass's rows (or several passes') and load
+        on_core_dying(reason)                    any thread: the core failed; refuse new requests now
+        on_core_ended(reason)                    on the loop: the core is gone (reason None: as asked)"""
+
+    def __init__(self, make_engine, warm_up, front):
+        self.make_engine, self.warm_up, self.front = make_engine, warm_up, front
+        self.commands: queue.Queue = queue.Queue()
         self.thread: threading.Thread | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
-    def start(self) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
         self.thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
         self.thread.start()
 
@@ -71,47 +88,43 @@ class InprocCore:
             await asyncio.to_thread(self.thread.join, timeout)
 
     def _run(self) -> None:
-        front = self.front
+        front, loop = self.front, self.loop
         try:
-            engine, front.warm_up_seconds = build_engine(front.make_engine, front.warm_up)
+            engine, seconds = build_engine(self.make_engine, self.warm_up)
         except Exception as e:
             logger.exception("building the engine failed")
-            front.call_soon(front.load_failed, f"{type(e).__name__}: {e}")
-            front.ready_event.set()
+            front.on_core_load_failed(f"{type(e).__name__}: {e}")
             return
-        front.engine = engine
-        front.ready_event.set()
+        front.on_core_ready(engine, seconds)
 
-        def publish(rows, load):
-            front.load = load  # the load first: a client that sees a delta sees its step's load
-            if rows:  # as they are: each reader makes its outputs of the rows it finds (deltas.py)
-                front.call_soon(front.deliver, rows)
+        def publish(rows, load):  # rows as they are: each reader makes its outputs of those it finds
+            call_soon(loop, front.on_core_output, rows, load)
 
-        def fatal(reason):
-            front.dead = reason  # before the last deliveries: nobody may add to a dead core
-
-        reason = EngineCore(engine, self.commands, publish, fatal).run()
+        # on_core_dying runs here, before the last publish: nobody may add to a dead core
+        reason = EngineCore(engine, self.commands, publish, front.on_core_dying).run()
         unfreeze_gc_heap()  # build_engine froze it: the engine's memory is the collector's to free again
-        if reason is not None:
-            front.call_soon(front.core_ended, reason)
-            return
-        engine.shutdown()
+        if reason is None:
+            engine.shutdown()
+        call_soon(loop, front.on_core_ended, reason)
 
 
-class ProcCore:
+class MPClient:
     """The engine core in a child process; the event loop reads its messages with loop.add_reader."""
 
-    def __init__(self, front):
-        self.front = front
+    def __init__(self, make_engine, warm_up, front):
+        self.make_engine, self.warm_up, self.front = make_engine, warm_up, front
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.proc = None
         self._cmd_conn = self._out_conn = None
         self._frames = FrameReader()
         self._pending: list[tuple] = []
         self._flush_scheduled, self._stopping, self._ended = False, False, False
+        self._load_failed, self._dying = False, None  # what the core said before its pipe closed
         self._loop_thread: int | None = None  # the event loop's thread, where commands leave at once
 
-    def start(self) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """On the event loop (AsyncLLMEngine.start)."""
+        self.loop = loop
         self._loop_thread = threading.get_ident()
         ctx = mp.get_context("spawn")
         cmd_r, self._cmd_conn = ctx.Pipe(duplex=False)
@@ -120,12 +133,12 @@ class ProcCore:
         _widen(self._cmd_conn)
         level = logging.getLogger().getEffectiveLevel()
         self.proc = ctx.Process(target=run_core_process, name="minillm-engine-core", daemon=True,
-                                args=(self.front.make_engine, self.front.warm_up, cmd_r, out_w, level))
+                                args=(self.make_engine, self.warm_up, cmd_r, out_w, level))
         self.proc.start()
         cmd_r.close()  # the child's ends: closed here, so its death is an end-of-file
         out_w.close()
         os.set_blocking(self._out_conn.fileno(), False)  # read what is there, never wait for the rest
-        self.front.loop.add_reader(self._out_conn.fileno(), self._on_readable)
+        loop.add_reader(self._out_conn.fileno(), self._on_readable)
 
     @property
     def alive(self) -> bool:
@@ -143,7 +156,7 @@ class ProcCore:
             self._flush()
         elif not self._flush_scheduled:
             self._flush_scheduled = True
-            self.front.call_soon(self._flush)
+            call_soon(self.loop, self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False  # first: a command appended from now on schedules another flush
@@ -160,22 +173,23 @@ class ProcCore:
         requests' rows into one output each, deltas.py)."""
         if self._ended:
             return
-        front, batch = self.front, []
+        front, batch, load = self.front, [], None
         messages, eof = self._frames.read(self._out_conn.fileno())
         for msg in messages:
             if msg[0] == "out":
-                front.load = msg[2]
                 batch += msg[1]
+                load = msg[2]
             elif msg[0] == "ready":
-                front.engine, front.warm_up_seconds = msg[1], msg[2]
                 freeze_gc_heap()  # the tokenizer just unpickled, with the imports: not walked while serving
-                front.ready_event.set()
+                front.on_core_ready(msg[1], msg[2])
             elif msg[0] == "load_error":
-                front.load_failed(msg[1])
+                self._load_failed = True
+                front.on_core_load_failed(msg[1])
             elif msg[0] == "dead":
-                front.dead = msg[1]
-        if batch:
-            front.deliver(batch)
+                self._dying = msg[1]
+                front.on_core_dying(msg[1])
+        if load is not None:  # every message read, as one delivery with the latest load
+            front.on_core_output(batch, load)
         if eof:
             self._end()
 
@@ -185,14 +199,16 @@ class ProcCore:
             return
         self._ended = True
         unfreeze_gc_heap()
-        self.front.loop.remove_reader(self._out_conn.fileno())
+        self.loop.remove_reader(self._out_conn.fileno())
         self._out_conn.close()
         self._cmd_conn.close()
         self.proc.join(5)
-        front = self.front
-        front.ready_event.set()
-        if front.load_error is None and (front.dead is not None or not self._stopping):
-            front.core_ended(front.dead or f"the engine core process exited with code {self.proc.exitcode}")
+        if self._load_failed:  # said already
+            return
+        reason = None
+        if self._dying is not None or not self._stopping:
+            reason = self._dying or f"the engine core process exited with code {self.proc.exitcode}"
+        self.front.on_core_ended(reason)
 
     async def join(self, timeout: float) -> None:
         self._stopping = True

@@ -1,4 +1,4 @@
-"""The engine core's own process: what runs in the child that core_client.ProcCore spawns, and the
+"""The engine core's own process: what runs in the child that core_client.MPClient spawns, and the
 framing of the messages it sends back (chapter 12).
 
     run_core_process(make_engine, warm_up, commands, out, log_level)    the child's main

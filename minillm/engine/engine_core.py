@@ -15,14 +15,16 @@ sides speak plain tuples, so the same loop serves both:
 A row is one request's delta as a plain tuple (deltas.outputs_of turns rows into RequestOutputs, on
 the reader's side): only what is new since the last one (vLLM's RequestOutputKind.DELTA). Tuples,
 because in process mode every row crosses a pipe each step: pickled, they are 4x smaller and faster
-than the objects. A pass rows only the requests it can have changed: those with a running sequence,
+than the objects. Plain ones, not NamedTuples: pickle writes an exact tuple in C but a subclass through
+__reduce_ex__ in Python, several times slower a step (scripts/row_pickle.py measures it), so the fields
+are named where a row is made (_Tracked.row) and where it is read (deltas.py). A pass rows only the requests it can have changed: those with a running sequence,
 those it finished, aborted or failed. A request still waiting costs nothing per step, however long
 the queue. A row carries token ids, and text only where the core makes it anyway: a sequence with
 stop strings matches them in its text as it grows, and its row's text is Sequence.stream_delta,
 which holds back what could still be the start of a stop string, so a stop string never reaches a
 client. Every other row's text is None, and the API process detokenizes its ids (deltas.py,
-vLLM V1's split): decoding every request's tokens here, every step, was a third of this process's
-CPU, serialised with the GPU steps it drives. A request's last delta has
+vLLM V1's split): decoding every request's tokens here, every step, cost this process CPU time
+serialised with the GPU steps it drives (chapter 12 profiles it). A request's last delta has
 finished=True and a FinishedStats as `metrics`. A request whose step failed ends with finish_reason
 "error" and RequestOutput.error; an aborted one with "abort", its blocks freed before the next step.
 """
@@ -183,8 +185,8 @@ class EngineCore:
         if cmd[0] == "add":
             _, rid, ids, params, arrival = cmd
             try:
-                engine.add_request(rid, {"prompt_token_ids": ids}, params)
-            except Exception as e:  # checked before it was sent, so this is a race or a bug: end it cleanly
+                engine.add_checked(rid, None, ids, params)  # the API side ran check_request: not again here
+            except Exception as e:  # a reused id (a race) or a bug: end it cleanly
                 self._refused.append(failed_row(rid, len(ids), e, arrival))
                 return False
             group = engine.groups[rid]

@@ -164,7 +164,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
             raise ValueError(f"request_id {request_id!r} is already in use")
         # A copy, checked again: the caller may have edited the params since they were built, and may
         # edit them again while the request runs; the engine's copy stays what was checked.
-        params = copy.deepcopy(params)
+        params = copy.copy(params)  # verify() below puts new lists in place of stop and stop_token_ids
         params.verify(self.model.config.vocab_size)
         text, ids = prompt_ids(self.tokenizer, self.model.config.vocab_size, prompt, f"request {request_id!r}")
         check_length(f"request {request_id!r}", len(ids), params, self.max_model_len)
@@ -180,7 +180,20 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0) -> None:
         """Queue a request (prompt: str or {"prompt_token_ids": [...]}); refuse one that can never fit."""
-        text, ids, params = self.check_request(request_id, prompt, params, priority)
+        self.add_checked(request_id, *self.check_request(request_id, prompt, params, priority), priority)
+
+    def add_checked(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        """Queue what check_request returned (the engine core's intake: the API process checked the
+        request and carries the result here), without copying and verifying the params again. Two cheap
+        guards stay: the id must be new to this engine, and the ids must lie in the vocabulary and fit the
+        context, because one request that skipped the check (a race, a bug) would otherwise fail the
+        forward pass of every request batched with it."""
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        name = f"request {request_id!r}"
+        prompt_ids(None, self.model.config.vocab_size, {"prompt_token_ids": ids}, name)  # min and max, in C
+        check_length(name, len(ids), params, self.max_model_len)
         seqs = make_sequences(ids, params, self.tokenizer, self.eos_token_ids, self.max_model_len)
         group = SequenceGroup(request_id, text, ids, params, seqs, RequestMetrics(time.perf_counter()), seqs[1:])
         group.metrics.token_times = [[] for _ in seqs]

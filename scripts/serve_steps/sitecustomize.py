@@ -8,7 +8,7 @@ process and the offline LLM.generate process alike, without a line of the engine
 unchanged on an older checkout: a before/after). It first runs scripts/emulate_gpu_step (which does
 nothing unless MINILLM_EMULATE_STEP_US is set), then wraps four methods:
 
-    LLMEngine.add_request   when each request reached the engine (and, in the engine core, when the
+    LLMEngine.add_checked   when each request reached the engine (and, in the engine core, when the
                             API process took it in: the command's `arrival`)
     Scheduler.schedule      what each step runs: decoding sequences, prompt chunks and their tokens,
                             running and waiting after it
@@ -57,11 +57,14 @@ if _DIR:
                 f.write(json.dumps({k: _trace[k] for k in ("adds", "steps", "publishes")}) + "\n")
         _trace["adds"], _trace["steps"], _trace["publishes"] = [], [], []
 
-    _add_request = LLMEngine.add_request
+    # where every request enters the engine: add_checked (add_request calls it; the core calls it
+    # alone), or add_request on a checkout older than add_checked
+    _ADD = "add_checked" if hasattr(LLMEngine, "add_checked") else "add_request"
+    _add = getattr(LLMEngine, _ADD)
 
-    @functools.wraps(_add_request)
-    def add_request(self, request_id, prompt, params=None, priority=0):
-        _add_request(self, request_id, prompt, params, priority)
+    @functools.wraps(_add)
+    def add_request(self, request_id, *args, **kwargs):
+        _add(self, request_id, *args, **kwargs)
         group = self.groups[request_id]
         # [reached the engine, the API process's arrival (core only), prompt tokens, max tokens]
         _trace["adds"].append([time.perf_counter(), getattr(_state, "arrival", None), len(group.prompt_ids),
@@ -117,11 +120,12 @@ if _DIR:
         if not self.engine.has_unfinished_requests():  # the core's busy period ends with this pass's rows
             _flush()
 
-    LLMEngine.add_request, Scheduler.schedule, LLMEngine.step = add_request, schedule, step
+    setattr(LLMEngine, _ADD, add_request)
+    Scheduler.schedule, LLMEngine.step = schedule, step
     EngineCore._apply, EngineCore._publish = apply, publish
 
     if os.environ.get("MINILLM_SEND_PER_PASS"):  # the API process's commands as before 2026-11-26, for an A/B
-        from minillm.engine.core_client import ProcCore
+        from minillm.engine.core_client import MPClient
 
         def send_per_pass(self, cmd):
             """Buffered, and sent when the event loop's current pass is over (whatever it runs first)."""
@@ -130,7 +134,7 @@ if _DIR:
                 self._flush_scheduled = True
                 self.front.call_soon(self._flush)
 
-        ProcCore.send = send_per_pass
+        MPClient.send = send_per_pass
 
     if os.environ.get("MINILLM_CORE_PROFILE"):
         from minillm.llm import LLM
