@@ -1,12 +1,12 @@
 """What the server costs: `minillm serve` vs `LLM.generate` on the very same requests (chapter 12).
 
-    python -m minillm.bench.serve_overhead                      # tiny random model on the CPU
-    python -m minillm.bench.serve_overhead --device cuda --num-prompts 384 --input-len 128 512 \\
-        --output-len 64 256 --serve-args "--switch-interval-ms 0.5"        # the embedded model
+    python -m minillm.bench.serve_overhead                       # a GPU: notebook 12's measurement (embedded model)
+    python -m minillm.bench.serve_overhead --device cpu          # a tiny random model on the CPU
+    python -m minillm.bench.serve_overhead --engine-core thread process --repeat 3   # both cores, 3 times each
 
 The server runs in a subprocess (as in notebook 12); every request is sent at once (rate inf) as token
 ids with ignore_eos, so the server's engine gets the same work `LLM.generate` gets, token for token.
-Then the server stops and the offline engine runs the same list in this process. The ratio of output
+Then the server stops and the offline engine runs the same list in a process of its own. The ratio of output
 throughputs is what HTTP, JSON, SSE and the async loop cost.
 
 On a CPU without --model, a 2-layer Llama of width 64 with SmolLM2's tokenizer (random weights) stands
@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
 
 
 def tiny_checkpoint(folder: Path) -> Path:
@@ -232,17 +233,28 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: on a CPU a tiny random Llama with SmolLM2's "
                    "tokenizer, on a GPU the embedded SmolLM2")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is a GPU)")
     p.add_argument("--serve-args", default="", help="more `minillm serve` flags, in one string")
-    p.add_argument("--num-prompts", type=int, default=128)
-    p.add_argument("--input-len", type=int, nargs=2, default=(4, 16), metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=(48, 64), metavar=("MIN", "MAX"))
-    p.add_argument("--engine-core", nargs="+", choices=["thread", "process"], default=["thread"],
-                   help="measure the server with its engine core here (one after the other when several)")
+    # the defaults: on a GPU, notebook 12's workload (what chapter 12 quotes); on a CPU, one small
+    # enough for a tiny model on two cores
+    p.add_argument("--num-prompts", type=int, default=None, help="default: 384 on a GPU, 128 on a CPU")
+    p.add_argument("--input-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="prompt tokens, drawn uniformly (default: 128 512 on a GPU, 4 16 on a CPU)")
+    p.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="output tokens, drawn uniformly (default: 64 256 on a GPU, 48 64 on a CPU)")
+    p.add_argument("--engine-core", nargs="+", choices=["thread", "process"], default=["process"],
+                   help="measure the server with its engine core here (one after the other when several; "
+                        "default: process, as `minillm serve`)")
     p.add_argument("--json", type=Path, default=None, help="write every measurement here as a JSON list")
     p.add_argument("--repeat", type=int, default=1, help="measure this many times (a loaded machine is noisy)")
     p.add_argument("--profile", type=Path, default=None, help="a folder: profile the server with yappi there")
     args = p.parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpu = args.device != "cpu"
+    args.num_prompts = args.num_prompts or (384 if gpu else 128)
+    args.input_len = args.input_len or ((128, 512) if gpu else (4, 16))
+    args.output_len = args.output_len or ((64, 256) if gpu else (48, 64))
     with tempfile.TemporaryDirectory(prefix="minillm-serve-overhead-") as tmp:
         work = Path(tmp)
         model = args.model or (str(tiny_checkpoint(work / "tiny")) if args.device == "cpu" else None)
