@@ -42,7 +42,7 @@ test: $(VENV)/.dev chromium test-py test-notebooks test-hygiene lint docs
 	@echo "make test: all green"
 
 test-py: $(VENV)/.dev mermaid
-	$(BIN)/pytest tests/ -n 2 -q
+	$(BIN)/pytest tests/ -n 2 -q --durations=25
 
 test-notebooks: $(VENV)/.dev
 	TRITON_INTERPRET=1 $(BIN)/pytest --nbval-lax --nbval-current-env -p no:cacheprovider \
