@@ -49,7 +49,7 @@ CHAPTERS: tuple[Chapter, ...] = (
             ("minillm/engine/prefix_cache.py",)),
     Chapter("07", "Continuous batching", "07-continuous-batching.md", "07_continuous_batching", "07_scheduler",
             ("minillm/engine/scheduler.py", "minillm/engine/llm_engine.py", "minillm/worker/model_runner.py",
-             "minillm/engine/config.py", "minillm/worker/cuda_graphs.py", "minillm/worker/model_input.py",
+             "minillm/engine/config.py", "minillm/worker/cuda_graphs.py", "minillm/worker/model_input.py", "minillm/engine/step_input.py",
              "minillm/bench/serving.py")),
     Chapter("08", "Quantization", "08-quantization.md", "08_quantization", "08_quantization",
             ("minillm/layers/quantization/", "kernels/w4a16.py", "kernels/w4a16_gemv.py", "kernels/w4a16_swap.py",

@@ -219,3 +219,20 @@ def append_tokens(seqs: list[Sequence], out, tokenizer) -> None:
             for rank, (tid, lp) in enumerate(zip(tops[0][row][:k], tops[1][row][:k]), start=1):
                 entry.setdefault(tid, Logprob(lp, rank, text(tid)))
         s.append(t, lps[row], entry)
+
+
+def new_tokens(seq: Sequence, start: int, n: int) -> list[int]:
+    """seq.token_ids[start:start + n] without building the whole list (decode: one token); past the
+    sequence's end, its draft tokens of this step (chapter 09: verified beside the last token). A token
+    still on its way from the GPU (chapter 13's overlap: Sequence.num_pending) reads as -1."""
+    P, end, pending = len(seq.prompt_ids), seq.num_tokens, seq.num_pending
+    if pending and start + n > end - pending:
+        known = end - pending
+        if start >= known:  # the common overlapped decode: the one new token is still on the GPU
+            return [-1] * n
+        return new_tokens(seq, start, known - start) + [-1] * (start + n - known)
+    if start + n > end:
+        return new_tokens(seq, start, end - start) + seq.spec_token_ids[: start + n - end]
+    if start >= P:
+        return seq.output_ids[start - P : start - P + n]
+    return (seq.prompt_ids[start : start + n] + seq.output_ids[: max(0, start + n - P)])[:n]

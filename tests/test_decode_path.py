@@ -14,8 +14,8 @@ from minillm import SamplingParams
 from minillm.bench.serving_setup import NoTextTokenizer
 from minillm.config import ModelConfig
 from minillm.engine import EngineConfig, LLMEngine
+from minillm.engine.step_input import prepare_decode_input, prepare_model_input
 from minillm.loader import load_model
-from minillm.worker.model_input import prepare_decode_input, prepare_model_input
 
 TINY = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                    num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=256, name="tiny")

@@ -14,7 +14,7 @@ from tiny_models import make_tiny, random_model
 
 from minillm import LLM, SamplingParams
 from minillm.engine import EngineConfig, LLMEngine
-from minillm.worker import prepare_model_input
+from minillm.engine.step_input import prepare_model_input
 
 
 def _engine(seed, tok, **cfg):

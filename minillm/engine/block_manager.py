@@ -67,10 +67,16 @@ class BlockManager:
         """(dropped seq_ids, [(seq_id, start, table[start:])]) since the last call: a table that went
         away, and each table's entries from its first change on (its new length is start + len). A
         copy kept up to date with these, dropped ones first, equals block_tables."""
+        changes = self.peek_table_changes()
+        self._changed_from, self._dropped = {}, set()
+        return changes
+
+    def peek_table_changes(self) -> tuple[list[int], list[tuple[int, int, list[int]]]]:
+        """take_table_changes without forgetting them: applying the same changes twice leaves a copy as
+        once (chapter 09's proposer reads the tables before the step that takes them)."""
         dropped = sorted(self._dropped - self._changed_from.keys())  # re-created ones: sent whole below
         updates = [(seq_id, start, self.block_tables[seq_id][start:])
                    for seq_id, start in self._changed_from.items() if seq_id in self.block_tables]
-        self._changed_from, self._dropped = {}, set()
         return dropped, updates
 
     @property

@@ -54,7 +54,7 @@ from ..sampling.rejection_sampler import RejectionSampler
 from ..sequence import Sequence, append_tokens, make_sequences
 from ..spec_decode import SpecDecodeMetrics
 from ..spec_decode.draft_model import load_draft_model
-from ..worker.model_input import ModelInput, prepare_decode_input, prepare_model_input
+from ..worker.model_input import ModelInput
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .overlap_steps import OverlapSteps, needs_host_sampling
@@ -62,6 +62,7 @@ from .prefix_cache import make_prefix_cache
 from .scheduler import Scheduler, SchedulerOutput
 from .spec_decode_steps import SpecDecodeSteps
 from .stats import EngineStats
+from .step_input import prepare_decode_input, prepare_model_input
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +263,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         return failed + self._outputs([s for s in seqs if s.seq_id in self._group_of], unfinished_outputs)
 
     def _prepare(self, sched: SchedulerOutput, logits_indices: list[int]) -> ModelInput:
-        """The step as plain data for the executor (worker/model_input.py)."""
+        """The step as plain data for the executor (step_input.py)."""
         if sched.decode_only:  # one token per sequence, each its last: the short path
             return prepare_decode_input([s for s, _ in sched.scheduled], self.block_manager.block_tables,
                                         self.config.block_size, self.block_manager.take_table_changes())

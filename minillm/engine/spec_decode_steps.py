@@ -48,7 +48,7 @@ class SpecDecodeSteps:
             return [], []
         seqs = [s for _, s, _ in want]
         try:
-            drafts, probs = self.executor.propose(seqs, [k for *_, k in want], self.block_manager.block_tables)
+            drafts, probs = self.executor.propose(seqs, [k for *_, k in want], self.block_manager.peek_table_changes())
         except Exception as e:  # a broken draft concerns the sequences it drafted for
             failed = self._fail({self._group_of[s.seq_id]: e for s in seqs})
             sched.scheduled = [(s, n) for s, n in sched.scheduled if s.seq_id in self._group_of]

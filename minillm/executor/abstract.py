@@ -14,7 +14,7 @@ The calls, in the order an engine makes them:
     determine_num_blocks()              -> (GPU blocks, CPU blocks) the memory holds
     initialize_cache(gpu, cpu)          allocate the pools, capture the decode graphs, build the proposer
     swap_and_copy(out, in, copies)      the scheduler's block moves for this step
-    propose(seqs, num_spec, tables)     chapter 09's drafts
+    propose(seqs, num_spec, changes)    chapter 09's drafts (the block tables' changes first)
     execute_model(model_input, prev)    -> logits [rows, vocab] (prev: last step's tokens, on the GPU)
     capture_token_buckets()             every prefill graph now (warm-up)
     shutdown()                          give the memory back
@@ -48,7 +48,8 @@ class Executor(ABC):
                       copies: list[tuple[int, int]]) -> None: ...
 
     @abstractmethod
-    def propose(self, seqs, num_spec: list[int], block_tables: dict[int, list[int]]): ...
+    def propose(self, seqs, num_spec: list[int], table_changes) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Chapter 09's drafts; table_changes: BlockManager.peek_table_changes() (the drafts' slots)."""
 
     @abstractmethod
     def capture_token_buckets(self) -> None: ...

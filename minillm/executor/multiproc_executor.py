@@ -190,7 +190,7 @@ class MultiprocExecutor(Executor):
     def swap_and_copy(self, swap_out, swap_in, copies) -> None:
         self._call("swap_and_copy", swap_out, swap_in, copies)
 
-    def propose(self, seqs, num_spec, block_tables):
+    def propose(self, seqs, num_spec, table_changes):
         raise NotImplementedError("speculative decoding is not supported with tensor parallelism")
 
     def capture_token_buckets(self) -> None:

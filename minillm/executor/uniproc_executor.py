@@ -38,8 +38,8 @@ class UniprocExecutor(Executor):
     def swap_and_copy(self, swap_out, swap_in, copies) -> None:
         self.worker.swap_and_copy(swap_out, swap_in, copies)
 
-    def propose(self, seqs, num_spec, block_tables):
-        return self.worker.propose(seqs, num_spec, block_tables)
+    def propose(self, seqs, num_spec, table_changes):
+        return self.worker.propose(seqs, num_spec, table_changes)
 
     def capture_token_buckets(self) -> None:
         self.worker.capture_token_buckets(self.sizes.max_model_len)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 from ..engine.block_manager import BlockManager, cdiv
-from ..worker.model_input import prepare_model_input
+from ..engine.step_input import prepare_model_input
 from .checker import CheckFailed, Verdict, _short, check
 from .hints import Hints
 

@@ -73,7 +73,7 @@ class NgramProposer(Proposer):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sequence -> NgramIndex
 
-    def propose(self, seqs, num_spec, block_tables):
+    def propose(self, seqs, num_spec, tables=None):
         return [self._index(s).lookup(k) if k else [] for s, k in zip(seqs, num_spec)], None
 
     def _index(self, seq) -> NgramIndex:

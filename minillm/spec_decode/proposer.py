@@ -19,8 +19,9 @@ import torch
 from ..layers.backend import get_kernel_mode
 from ..sampling import filtered_probs
 from ..sampling.rejection_sampler import DRAFT_STREAM, race, spec_metadata
-from ..sequence import Sequence
-from ..worker.model_input import new_tokens, pack
+from ..sequence import Sequence, new_tokens
+from ..worker.block_table import PersistentBlockTable
+from ..worker.model_input import pack
 from ..worker.model_runner import forward_packed
 
 
@@ -28,8 +29,9 @@ class Proposer:
     method = "base"
 
     def propose(self, seqs: list[Sequence], num_spec: list[int],
-                block_tables: dict[int, list[int]]) -> tuple[list[list[int]], torch.Tensor | None]:
-        """-> (drafts per sequence, at most num_spec[i] each; q [sum of their lengths, vocab] or None)."""
+                tables: PersistentBlockTable) -> tuple[list[list[int]], torch.Tensor | None]:
+        """-> (drafts per sequence, at most num_spec[i] each; q [sum of their lengths, vocab] or None).
+        tables: the worker's block tables, this step's changes applied (the drafts' slots reserved)."""
         raise NotImplementedError
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -54,7 +56,7 @@ class ModelProposer(Proposer):
         """Point the model's attention layers at the cache it drafts with."""
 
     @torch.inference_mode()
-    def propose(self, seqs, num_spec, block_tables):
+    def propose(self, seqs, num_spec, tables):
         self.bind()
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -65,7 +67,8 @@ class ModelProposer(Proposer):
         for i in active:
             s = seqs[i]
             start = min(self.start(s), s.num_tokens - 1)
-            chunks.append((start, new_tokens(s, start, s.num_tokens - start), block_tables[s.seq_id]))
+            chunks.append((start, new_tokens(s, start, s.num_tokens - start), tables.row(s.seq_id)))
+        rows = {seqs[i].seq_id: c[2] for i, c in zip(active, chunks)}  # each table read once a step
         while active:
             lens = [len(c[1]) for c in chunks]
             last = torch.tensor(lens).cumsum(0).sub(1).tolist()  # each chunk's last row
@@ -77,7 +80,7 @@ class ModelProposer(Proposer):
                     qs[i].append(q[row])
             active = [i for i in active if len(drafts[i]) < num_spec[i]]
             # the next pass feeds draft j at position num_tokens - 1 + j (its slot was reserved)
-            chunks = [(seqs[i].num_tokens - 1 + len(drafts[i]), drafts[i][-1:], block_tables[seqs[i].seq_id])
+            chunks = [(seqs[i].num_tokens - 1 + len(drafts[i]), drafts[i][-1:], rows[seqs[i].seq_id])
                       for i in active]
         for s, d in zip(seqs, drafts):
             if d:

@@ -57,6 +57,11 @@ class PersistentBlockTable:
         width = max(int(self.lengths[rows].max()), 1) if len(rows) else 1
         return self.table[rows, :width]  # [B, W], a copy (fancy indexing)
 
+    def row(self, seq_id: int) -> list[int]:
+        """One sequence's table as a list (chapter 09's proposer packs its draft passes from it)."""
+        r = self.row_of[seq_id]
+        return self.table[r, : self.lengths[r]].tolist()
+
     def _new_row(self) -> int:
         if not self.free_rows:
             rows = self.table.shape[0]

@@ -67,9 +67,12 @@ class Worker:
         if self.proposer is not None:
             self.proposer.copy_blocks(copies)
 
-    def propose(self, seqs, num_spec: list[int], block_tables: dict[int, list[int]]):
-        """Chapter 09's drafts: -> (draft tokens per sequence, q or None)."""
-        return self.proposer.propose(seqs, num_spec, block_tables)
+    def propose(self, seqs, num_spec: list[int], table_changes) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Chapter 09's drafts: -> (draft tokens per sequence, q or None). table_changes: the block
+        tables' changes so far this step (the drafts' reserved slots among them), applied to the
+        worker's own tables first: the proposer reads those, not a copy of the engine's."""
+        self.runner.block_tables.apply(*table_changes)
+        return self.proposer.propose(seqs, num_spec, self.runner.block_tables)
 
     def capture_token_buckets(self, max_model_len: int) -> None:
         """Every token bucket's graph now (LLMEngine.warm_up), the draft's catch-up passes too."""
