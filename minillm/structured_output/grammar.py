@@ -1,0 +1,222 @@
+"""A grammar (rules of byte-level IR that call each other) -> a pushdown automaton over bytes.
+
+Each rule that must stay a rule becomes a DFA whose call edges push the callee (automaton.py). A rule
+that is not recursive is simply inlined where it is used, so the only calls left are the ones a
+finite automaton cannot express (nesting: JSON values inside arrays inside values). A grammar without
+recursion is therefore a single DFA, and costs a table lookup per byte.
+
+The automaton's configuration is a *stack* of nodes, a tuple, top last; a node is one state of one
+rule's DFA, numbered globally. A caller's frame holds the state to return to. A configuration
+may be ambiguous (two parses of the same prefix), so the matcher carries a set of stacks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import ir
+from .automaton import DFA, compile_dfa
+
+ROOT = "$root"
+MAX_STACKS = 256  # ambiguous parses alive at once; past this the grammar is too ambiguous to serve
+MAX_DEPTH = 10_000
+
+
+@dataclass
+class Grammar:
+    """rules: name -> IR expression; root: the start rule's name."""
+
+    rules: dict[str, object]
+    root: str = "root"
+    source: str = field(default="grammar", compare=False)
+
+
+class PDA:
+    """The compiled grammar: global node tables plus the per-rule DFAs.
+
+    trans: [N, 256] int32 node after a byte, -1 = none. calls[n]: (callee start node, return node).
+    pop[n]: the rule may end here and hand back to its caller (never for the root rule, whose end
+    is the end of the output). rule_of[n]: the rule index of node n.
+    """
+
+    def __init__(self, dfas: dict[str, DFA]):
+        self.names = list(dfas)
+        self.dfas = dfas
+        offsets, n = {}, 0
+        for name, d in dfas.items():
+            offsets[name] = n
+            n += d.num_states
+        self.offsets = offsets
+        self.num_nodes = n
+        self.trans = np.full((n, 256), -1, dtype=np.int32)
+        self.final = np.zeros(n, dtype=bool)
+        self.rule_of = np.zeros(n, dtype=np.int32)
+        self.calls: list[list[tuple[int, int]]] = []
+        for r, (name, d) in enumerate(dfas.items()):
+            o = offsets[name]
+            self.trans[o : o + d.num_states] = np.where(d.trans >= 0, d.trans + o, -1)
+            self.final[o : o + d.num_states] = d.final
+            self.rule_of[o : o + d.num_states] = r
+            for s in range(d.num_states):
+                self.calls.append([(offsets[q] + dfas[q].start, o + ret) for q, ret in d.calls[s]])
+        self.start = offsets[ROOT] + dfas[ROOT].start
+        self.pop = self.final & (self.rule_of != self.names.index(ROOT))
+        self.has_calls = any(self.calls)
+        self.trans_list = self.trans.tolist()  # Python lists index faster than numpy one element at a time
+        self.end_ok = self._nullable_end()
+
+    def _nullable_end(self) -> np.ndarray:
+        """end_ok[n]: from node n the rule can finish without reading a byte (it is final, or calls
+        rules that may be empty and returns to such a node)."""
+        ok = self.final.copy()
+        starts_nullable = {}
+        changed = True
+        while changed:
+            changed = False
+            for n in range(self.num_nodes):
+                if ok[n]:
+                    continue
+                for c, r in self.calls[n]:
+                    starts_nullable[c] = bool(ok[c])
+                    if ok[c] and ok[r]:
+                        ok[n] = changed = True
+                        break
+        return ok
+
+    # ---- walking bytes through stacks ---------------------------------------------------------------
+
+    def closure(self, stacks, relative: bool = False):
+        """Every configuration reachable without reading a byte: push callees, pop finished rules.
+
+        relative=True treats the bottom frame as a rule whose caller is unknown: popping it is
+        reported (second result) instead of followed. That is how a node's token classes are
+        precomputed without knowing the stack below (token_index.py)."""
+        out, work, escaped = set(), list(stacks), False
+        calls, pop = self.calls, self.pop
+        while work:
+            s = work.pop()
+            if s in out:
+                continue
+            out.add(s)
+            n = s[-1]
+            for c, r in calls[n]:
+                if len(s) >= MAX_DEPTH:
+                    raise ValueError(f"grammar recursion deeper than {MAX_DEPTH}: left recursion?")
+                work.append(s[:-1] + (r, c))
+            if pop[n]:
+                if len(s) > 1:
+                    work.append(s[:-1])
+                elif relative:
+                    escaped = True
+        return out, escaped
+
+    def step(self, stacks, byte: int) -> set:
+        """Configurations after reading one byte from already-closed ones."""
+        out = set()
+        tl = self.trans_list
+        for s in stacks:
+            m = tl[s[-1]][byte]
+            if m >= 0:
+                out.add(s[:-1] + (m,))
+        if len(out) > MAX_STACKS:
+            raise ValueError(f"the grammar is ambiguous beyond {MAX_STACKS} parses of one prefix")
+        return out
+
+    def walk(self, stacks, data: bytes, relative: bool = False):
+        """Read `data` from `stacks`. Returns (stacks after it, escaped): escaped is True when, in
+        relative mode, some parse popped the bottom frame with bytes still to read."""
+        escaped = False
+        for i, b in enumerate(data):
+            closed = stacks
+            if self.has_calls:
+                closed, esc = self.closure(stacks, relative)
+                escaped |= esc and i > 0  # a pop before the first byte is the caller's business
+            stacks = self.step(closed, b)
+            if not stacks:
+                break
+        return stacks, escaped
+
+    def accepts_end(self, stack: tuple) -> bool:
+        """Can the output end in this configuration (is EOS allowed)?"""
+        return all(self.end_ok[n] for n in stack)
+
+
+def compile_grammar(grammar: Grammar) -> PDA:
+    """Grammar -> PDA. Refuses undefined rules, left recursion and empty languages by name."""
+    rules = grammar.rules
+    if grammar.root not in rules:
+        raise ValueError(f"{grammar.source}: no start rule {grammar.root!r}")
+    refs = {name: _refs(body) for name, body in rules.items()}
+    for name, rs in refs.items():
+        for r in rs:
+            if r not in rules:
+                raise ValueError(f"{grammar.source}: rule {name!r} refers to undefined rule {r!r}")
+    recursive = {n for n in rules if n in _reachable(refs, refs[n])}
+
+    expanded: dict[str, object] = {}
+
+    def expand(node):
+        if isinstance(node, ir.Ref):
+            if node.name in recursive:
+                return node
+            if node.name not in expanded:
+                expanded[node.name] = expand(rules[node.name])
+            return expanded[node.name]
+        if isinstance(node, (ir.Seq, ir.Alt)):
+            return type(node)(tuple(expand(i) for i in node.items))
+        if isinstance(node, ir.Rep):
+            return ir.Rep(expand(node.item), node.lo, node.hi)
+        return node
+
+    bodies = {ROOT: expand(ir.Ref(grammar.root))}
+    todo = list(_refs(bodies[ROOT]))
+    while todo:
+        name = todo.pop()
+        if name in bodies:
+            continue
+        bodies[name] = expand(rules[name])
+        todo += _refs(bodies[name])
+    dfas = {name: compile_dfa(body, f"{grammar.source}: rule {name if name != ROOT else grammar.root!r}")
+            for name, body in bodies.items()}
+    pda = PDA(dfas)
+    _check_left_recursion(pda, grammar.source)
+    return pda
+
+
+def _refs(node) -> set[str]:
+    if isinstance(node, ir.Ref):
+        return {node.name}
+    if isinstance(node, (ir.Seq, ir.Alt)):
+        return set().union(*(_refs(i) for i in node.items)) if node.items else set()
+    if isinstance(node, ir.Rep):
+        return _refs(node.item)
+    return set()
+
+
+def _reachable(refs, start) -> set[str]:
+    seen, work = set(), list(start)
+    while work:
+        n = work.pop()
+        if n not in seen:
+            seen.add(n)
+            work += refs.get(n, ())
+    return seen
+
+
+def _check_left_recursion(pda: PDA, source: str) -> None:
+    """A rule that can call itself before reading a byte would push forever: refuse it."""
+    starts = {pda.offsets[name] + pda.dfas[name].start: name for name in pda.names}
+    for start, name in starts.items():
+        seen, work = set(), [start]
+        while work:
+            n = work.pop()
+            for c, r in pda.calls[n]:
+                if c == start:
+                    raise ValueError(f"{source}: rule {name!r} is left-recursive (it can call itself "
+                                     "before reading anything); rewrite it with repetition")
+                for m in (c, r) if pda.end_ok[c] else (c,):
+                    if m not in seen:
+                        seen.add(m)
+                        work.append(m)
