@@ -26,10 +26,13 @@ class GrammarCompiler:
     separators ", " and ": " and no other whitespace; an int N = up to N of [ \\n\\r\\t] wherever JSON
     allows whitespace (xgrammar's any_whitespace=True with max_whitespace_cnt=N). Unbounded whitespace
     is not offered: a small model can loop on spaces forever.
+    xgrammar_strings: see json_schema.schema_to_grammar (parity tests only).
     """
 
-    def __init__(self, vocab: TokenVocab, cache_size: int = 64, max_whitespace: int | None = None):
+    def __init__(self, vocab: TokenVocab, cache_size: int = 64, max_whitespace: int | None = None,
+                 xgrammar_strings: bool = False):
         self.vocab = vocab
+        self.xgrammar_strings = xgrammar_strings
         self.cache_size = cache_size
         self.max_whitespace = max_whitespace
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
@@ -39,7 +42,7 @@ class GrammarCompiler:
         if not isinstance(params, StructuredOutputsParams):
             raise TypeError(f"expected StructuredOutputsParams, not {type(params).__name__}")
         spec = params.spec()
-        key = hashlib.sha256(repr((params.kind, spec, self.max_whitespace, self.vocab.hash)).encode()).hexdigest()
+        key = hashlib.sha256(repr((params.kind, spec, self.max_whitespace, self.xgrammar_strings, self.vocab.hash)).encode()).hexdigest()
         if key in self._cache:
             self.hits += 1
             self._cache.move_to_end(key)
@@ -65,7 +68,7 @@ class GrammarCompiler:
 
             schema = {"type": "object"} if kind == "json_object" else _loads(spec)
             return schema_to_grammar(schema, max_whitespace=self.max_whitespace,
-                                     source=f"structured_outputs.{kind}")
+                                     source=f"structured_outputs.{kind}", xgrammar_strings=self.xgrammar_strings)
         if kind == "grammar":
             from .gbnf import parse_gbnf
 

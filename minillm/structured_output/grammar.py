@@ -66,6 +66,7 @@ class PDA:
         self.has_calls = any(self.calls)
         self.trans_list = self.trans.tolist()  # Python lists index faster than numpy one element at a time
         self.end_ok = self._nullable_end()
+        self.follow, self.escape = self._escape_bytes()
 
     def _nullable_end(self) -> np.ndarray:
         """end_ok[n]: from node n the rule can finish without reading a byte (it is final, or calls
@@ -84,6 +85,42 @@ class PDA:
                         ok[n] = changed = True
                         break
         return ok
+
+    def _escape_bytes(self):
+        """follow[r]: [256] bool, the bytes that may come right after rule r ends, in any caller;
+        escape[n]: [256] bool, the bytes node n may read by leaving its frame (a call, or a return).
+
+        The token index uses them to send to the exact (Python) walk only the tokens that could
+        really cross a rule boundary at the byte where they meet one."""
+        N, R, root = self.num_nodes, len(self.names), self.names.index(ROOT)
+        direct = self.trans >= 0  # [N, 256]
+        readable = direct.copy()  # bytes readable from n inside its frame, calls included
+        changed = True
+        while changed:
+            changed = False
+            for n in range(N):
+                for c, r in self.calls[n]:
+                    new = readable[n] | readable[c] | (readable[r] if self.end_ok[c] else False)
+                    if (new != readable[n]).any():
+                        readable[n] = new
+                        changed = True
+        follow = np.zeros((R, 256), dtype=bool)
+        changed = True
+        while changed:
+            changed = False
+            for n in range(N):
+                for c, r in self.calls[n]:
+                    rule = self.rule_of[c]
+                    new = follow[rule] | readable[r]
+                    if self.end_ok[r] and self.rule_of[r] != root:  # the caller may end right after
+                        new = new | follow[self.rule_of[r]]
+                    if (new != follow[rule]).any():
+                        follow[rule] = new
+                        changed = True
+        escape = (readable & ~direct) | np.array([bool(c) for c in self.calls])[:, None] & readable
+        escape |= np.where(self.end_ok[:, None] & (self.rule_of != root)[:, None],
+                           follow[self.rule_of], False)
+        return follow, escape
 
     # ---- walking bytes through stacks ---------------------------------------------------------------
 
@@ -126,17 +163,48 @@ class PDA:
 
     def walk(self, stacks, data: bytes, relative: bool = False):
         """Read `data` from `stacks`. Returns (stacks after it, escaped): escaped is True when, in
-        relative mode, some parse popped the bottom frame with bytes still to read."""
+        relative mode, some parse popped the bottom frame with bytes still to read that a caller of
+        its rule could read next."""
         escaped = False
         for i, b in enumerate(data):
-            closed = stacks
-            if self.has_calls:
-                closed, esc = self.closure(stacks, relative)
-                escaped |= esc and i > 0  # a pop before the first byte is the caller's business
-            stacks = self.step(closed, b)
+            stacks, esc = self.read_byte(stacks, b, i, relative)
+            escaped |= esc
             if not stacks:
                 break
         return stacks, escaped
+
+    def read_byte(self, stacks, b: int, pos: int, relative: bool = False):
+        """One byte: close, then step. pos is the byte's place in the token (a pop of the bottom
+        frame before the first byte is the caller's business: TokenIndex.exit0)."""
+        if not self.has_calls:
+            return self.step(stacks, b), False
+        closed, esc = self.closure(stacks, relative)
+        esc = esc and pos > 0 and bool(self.follow[self.rule_of[next(iter(stacks))[0]], b])
+        return self.step(closed, b), esc
+
+    def walk_sorted(self, stacks, datas: list[bytes], relative: bool = False):
+        """walk() for many byte strings sorted in byte order, sharing the work on common prefixes
+        (a trie walk without building the trie): ' therapists' and ' theology' read ' th' once."""
+        out = []
+        path = [(stacks, False)]  # path[i]: (stacks, escaped) after the first i bytes of `prev`
+        prev = b""
+        for d in datas:
+            lcp = 0
+            for x, y in zip(prev, d):
+                if x != y:
+                    break
+                lcp += 1
+            del path[min(lcp, len(path) - 1) + 1 :]
+            cur, esc = path[-1]
+            i = len(path) - 1
+            while i < len(d) and cur:
+                cur, e = self.read_byte(cur, d[i], i, relative)
+                esc |= e
+                path.append((cur, esc))
+                i += 1
+            out.append((cur, esc))
+            prev = d
+        return out
 
     def accepts_end(self, stack: tuple) -> bool:
         """Can the output end in this configuration (is EOS allowed)?"""

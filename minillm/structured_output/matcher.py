@@ -37,12 +37,8 @@ class CompiledGrammar:
         if m is not None:
             return m
         m = np.zeros(self.vocab.num_words, dtype=np.int32)
-        if len(stacks) == 1 and len(next(iter(stacks))) == 1 and not self.index.mid[next(iter(stacks))[0]].size \
-                and not self.index.exit0[next(iter(stacks))[0]]:
-            m |= self.index.acc[next(iter(stacks))[0]]  # the DFA case: one row
-        else:
-            for s in stacks:
-                self.index.stack_mask(s, m)
+        for s in stacks:  # a regex has one stack of one node: this is one row of the index
+            self.index.stack_mask(s, m)
         if any(self.pda.accepts_end(s) for s in stacks):
             for t in self.vocab.stop_ids:
                 m[t >> 5] |= BITS[t & 31]

@@ -62,7 +62,8 @@ class StructuredOutputsParams:
         value = getattr(self, self.kind)
         if self.kind == "json":
             value = _json.loads(value) if isinstance(value, str) else value
-            return _json.dumps(value, sort_keys=True, separators=(",", ":"))
+            # Not sort_keys: the order of "properties" is the order the output must follow.
+            return _json.dumps(value, separators=(",", ":"))
         if self.kind == "choice":
             return _json.dumps(list(value))
         return value

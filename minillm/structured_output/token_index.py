@@ -59,10 +59,11 @@ class TokenIndex:
 
     def _vectorized_walk(self) -> list[set]:
         """Walk every token from every node along byte edges. Fills self.acc with the tokens read to
-        their end; returns, per node, the tokens that died after touching a boundary node."""
+        their end; returns, per node, the tokens that died after meeting a byte that another parse
+        could read across a rule boundary (a call or a return): those need the exact walk."""
         pda, v = self.pda, self.vocab
         N = pda.num_nodes
-        boundary = pda.pop | np.array([bool(c) for c in pda.calls])  # [N]
+        escape = pda.escape  # [N, 256]: a byte node n could also read by a call or a return
         first_sorted = v.mat[v.by_first, 0]  # [T] first byte of each real token, sorted
         cand: list[set] = [set() for _ in range(N)]
         for lo in range(0, N, _CHUNK):
@@ -72,7 +73,7 @@ class TokenIndex:
             ni, ti = np.nonzero(sel)
             node, tok = nodes[ni], v.by_first[ti]  # [P] pairs
             state = pda.trans[node, v.mat[tok, 0]]
-            touched = boundary[state]
+            touched = np.zeros(len(tok), dtype=bool)  # position-0 calls/returns: composed in _resolve
             accepted = np.zeros((len(nodes), v.vocab_size), dtype=bool)  # [n, V]
             pos = 1
             while len(tok):
@@ -82,13 +83,15 @@ class TokenIndex:
                 node, tok, state, touched = node[keep], tok[keep], state[keep], touched[keep]
                 if not len(tok):
                     break
-                nxt = pda.trans[state, v.mat[tok, pos]]
+                byte = v.mat[tok, pos]
+                touched |= escape[state, byte]  # another parse may take this byte across a boundary
+                nxt = pda.trans[state, byte]
                 dead = nxt < 0
                 for n_, t_ in zip(node[dead & touched].tolist(), tok[dead & touched].tolist()):
                     cand[n_].add(t_)
                 alive = ~dead
                 node, tok, state = node[alive], tok[alive], nxt[alive]
-                touched = touched[alive] | boundary[state]
+                touched = touched[alive]
                 pos += 1
             self.acc[nodes] = pack_bits(accepted, v.num_words)
         return cand
@@ -108,11 +111,9 @@ class TokenIndex:
                 todo.update(self.mid[m].tolist())
         mid = []
         tb, row = self.vocab.token_bytes, self.acc[n]
-        for t in sorted(todo):
-            if row[t >> 5] >> (t & 31) & 1:
-                continue
-            self.num_python_walks += 1
-            stacks, escaped = pda.walk({(n,)}, tb[t], relative=True)
+        todo = sorted((t for t in todo if not row[t >> 5] >> (t & 31) & 1), key=lambda t: tb[t])
+        self.num_python_walks += len(todo)
+        for t, (stacks, escaped) in zip(todo, pda.walk_sorted({(n,)}, [tb[t] for t in todo], relative=True)):
             if stacks:
                 row[t >> 5] |= BITS[t & 31]
             elif escaped:
