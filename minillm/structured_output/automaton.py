@@ -78,11 +78,12 @@ class _NFA:
         if isinstance(node, ir.Rep):
             for _ in range(node.lo):
                 s = self.build(node.item, s)
-            if node.hi is None:  # star: loop back through a fresh copy
-                b = self.new()
-                self.eps[s].append(b)
-                self.eps[self.build(node.item, b)].append(s)
-                return s
+            if node.hi is None:  # star: a hub of its own that the body loops back to, and a fresh
+                hub, out = self.new(), self.new()  # exit: looping back to `s` itself would let
+                self.eps[s].append(hub)  # whatever follows the star jump back into it
+                self.eps[self.build(node.item, hub)].append(hub)
+                self.eps[hub].append(out)
+                return out
             e = self.new()
             self.eps[s].append(e)
             for _ in range(node.hi - node.lo):  # optional copies, each may stop the repetition
