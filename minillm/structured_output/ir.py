@@ -94,14 +94,17 @@ def opt(item):
 # ---- code point ranges -> UTF-8 byte sequences ------------------------------------------------------
 
 
-def normalize(ranges) -> list[tuple[int, int]]:
-    """Sorted, merged, surrogate-free code point ranges."""
+def normalize(ranges, keep_surrogates: bool = False) -> list[tuple[int, int]]:
+    """Sorted, merged, surrogate-free code point ranges (keep_surrogates: xgrammar's way, see
+    json_schema.py; their "UTF-8" bytes ED A0..BF xx are not valid UTF-8)."""
     out: list[list[int]] = []
     for lo, hi in sorted(ranges):
         if out and lo <= out[-1][1] + 1:
             out[-1][1] = max(out[-1][1], hi)
         else:
             out.append([lo, hi])
+    if keep_surrogates:
+        return [tuple(r) for r in out]
     cut = []
     for lo, hi in out:  # surrogates are not characters: drop them from every class
         if lo < SURROGATES[0] <= hi or lo <= SURROGATES[1] < hi or SURROGATES[0] <= lo <= hi <= SURROGATES[1]:
@@ -114,16 +117,16 @@ def normalize(ranges) -> list[tuple[int, int]]:
     return cut
 
 
-def negate(ranges) -> list[tuple[int, int]]:
+def negate(ranges, keep_surrogates: bool = False) -> list[tuple[int, int]]:
     """All scalar values not in `ranges`."""
     out, nxt = [], 0
-    for lo, hi in normalize(ranges):
+    for lo, hi in normalize(ranges, keep_surrogates):
         if lo > nxt:
             out.append((nxt, lo - 1))
         nxt = hi + 1
     if nxt <= MAX_CP:
         out.append((nxt, MAX_CP))
-    return normalize(out)
+    return normalize(out, keep_surrogates)
 
 
 def _split_utf8(lo: int, hi: int):
@@ -145,14 +148,14 @@ def _split_utf8(lo: int, hi: int):
                 yield from _split_utf8(lo, (hi & ~m) - 1)
                 yield from _split_utf8(hi & ~m, hi)
                 return
-    a, b = chr(lo).encode("utf-8"), chr(hi).encode("utf-8")
+    a, b = chr(lo).encode("utf-8", "surrogatepass"), chr(hi).encode("utf-8", "surrogatepass")
     yield [(a[k], b[k]) for k in range(n)]
 
 
-def codepoints(ranges):
+def codepoints(ranges, keep_surrogates: bool = False):
     """A character class (code point ranges) -> the byte-level expression of its UTF-8 encodings."""
     pieces = []
-    for lo, hi in normalize(ranges):
+    for lo, hi in normalize(ranges, keep_surrogates):
         for a, b in ((lo, min(hi, 0x7F)), (max(lo, 0x80), min(hi, 0x7FF)),
                      (max(lo, 0x800), min(hi, 0xFFFF)), (max(lo, 0x10000), hi)):
             if a <= b:

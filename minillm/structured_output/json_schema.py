@@ -39,10 +39,12 @@ _FORMATS = ("date", "date-time")
 _D = ir.Bytes(ir.byte_range(0x30, 0x39))  # [0-9]
 _D19 = ir.Bytes(ir.byte_range(0x31, 0x39))  # [1-9]
 _JSON_CHAR = ir.codepoints(ir.negate([(0, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]))  # not control, ", \
-_XGR_BOUNDED_CHAR = ir.codepoints(ir.negate([(0x0A, 0x0A), (0x0D, 0x0D), (0x22, 0x22), (0x5C, 0x5C)]))
+_XGR_CHAR = ir.codepoints(ir.negate([(0, 0x1F), (0x22, 0x22), (0x5C, 0x5C)], True), True)
+_XGR_BOUNDED_CHAR = ir.codepoints(ir.negate([(0x0A, 0x0A), (0x0D, 0x0D), (0x22, 0x22), (0x5C, 0x5C)], True), True)
 _HEX = ir.Bytes(ir.byte_range(0x30, 0x39) | ir.byte_range(0x41, 0x46) | ir.byte_range(0x61, 0x66))
 _ESCAPE = ir.seq(ir.lit("\\"), ir.alt(ir.Bytes(ir.byte_mask(b'"\\/bfnrt')), ir.seq(ir.lit("u"), _HEX, _HEX, _HEX, _HEX)))
 STRING = ir.seq(ir.lit('"'), ir.Rep(ir.alt(_JSON_CHAR, _ESCAPE), 0, None), ir.lit('"'))
+_XGR_STRING = ir.seq(ir.lit('"'), ir.Rep(ir.alt(_XGR_CHAR, _ESCAPE), 0, None), ir.lit('"'))
 INTEGER = ir.alt(ir.lit("0"), ir.seq(ir.opt(ir.lit("-")), _D19, ir.Rep(_D, 0, None)))
 NUMBER = ir.seq(ir.opt(ir.lit("-")), ir.alt(ir.lit("0"), ir.seq(_D19, ir.Rep(_D, 0, None))),
                 ir.opt(ir.seq(ir.lit("."), ir.Rep(_D, 1, None))),
@@ -58,11 +60,15 @@ def schema_to_grammar(schema, max_whitespace: int | None = None, source: str = "
                       xgrammar_strings: bool = False) -> Grammar:
     """A JSON Schema (dict or True) -> Grammar whose root matches exactly the JSON texts described.
 
-    xgrammar_strings: let minLength/maxLength strings hold raw control characters other than \\r and
-    \\n, as xgrammar 0.2.9 does (the result is not valid JSON: only for comparing the two backends).
+    xgrammar_strings: reproduce xgrammar 0.2.9's two departures from valid JSON text, only to compare
+    the two backends: minLength/maxLength strings may hold raw control characters other than \\r and
+    \\n, and string characters (and a pattern's negated classes) include the surrogates
+    U+D800..U+DFFF as the bytes ED A0..BF xx, which no UTF-8 decoder accepts.
     """
     conv = _Converter(schema, max_whitespace, source)
+    conv.xgr = xgrammar_strings
     conv.bounded_char = _XGR_BOUNDED_CHAR if xgrammar_strings else _JSON_CHAR
+    conv.string = _XGR_STRING if xgrammar_strings else STRING
     conv.rules["root"] = conv.value(schema, "")
     return Grammar(conv.rules, "root", source)
 
@@ -87,12 +93,12 @@ class _Converter:
         if "any" not in self.rules:
             self.rules["any"] = None  # reserve the name: the body refers to itself
             v = ir.Ref("any")
-            self.rules["any"] = ir.alt(NUMBER, STRING, BOOLEAN, NULL, self.array_of(v, 0, None),
+            self.rules["any"] = ir.alt(NUMBER, self.string, BOOLEAN, NULL, self.array_of(v, 0, None),
                                        self.object_of_any(v))
         return ir.Ref("any")
 
     def object_of_any(self, value):
-        member = ir.seq(STRING, self.colon, value)
+        member = ir.seq(self.string, self.colon, value)
         return ir.alt(ir.seq(ir.lit("{"), self.ws, member, ir.Rep(ir.seq(self.comma, member), 0, None), self.ws, ir.lit("}")),
                       ir.seq(ir.lit("{"), self.ws, ir.lit("}")))
 
@@ -193,7 +199,7 @@ class _Converter:
         if fmt is not None:
             return ir.seq(q, parse_regex(DATE if fmt == "date" else DATE_TIME), q)
         if pattern is not None:
-            body = _restrict(parse_regex(pattern, f"{self.source}: pattern at {path or '/'}"))
+            body = _restrict(parse_regex(pattern, f"{self.source}: pattern at {path or '/'}", self.xgr))
             return ir.seq(q, body, q)
         if "minLength" in s or "maxLength" in s:
             lo, hi = s.get("minLength", 0), s.get("maxLength")
@@ -202,7 +208,7 @@ class _Converter:
             if max(lo, hi or 0) > 10_000:
                 raise self.error(path, "minLength/maxLength above 10000 are not supported")
             return ir.seq(q, ir.Rep(self.bounded_char, lo, hi), q)
-        return STRING
+        return self.string
 
     def t_array(self, s, path):
         items = s.get("items", True)

@@ -28,16 +28,17 @@ _CLASS_ESCAPES = {"d": _DIGIT, "w": _WORD, "s": _SPACE}
 _SIMPLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0", "a": "\a"}
 
 
-def parse_regex(pattern: str, what: str = "regex"):
-    """pattern -> IR expression. `what` names the field in error messages."""
+def parse_regex(pattern: str, what: str = "regex", keep_surrogates: bool = False):
+    """pattern -> IR expression. `what` names the field in error messages; keep_surrogates lets
+    negated classes and '.' hold U+D800..U+DFFF as xgrammar's do (see json_schema.py)."""
     if not isinstance(pattern, str):
         raise ValueError(f"{what} must be a str, not {type(pattern).__name__}")
-    return _Parser(pattern, what).parse()
+    return _Parser(pattern, what, keep_surrogates).parse()
 
 
 class _Parser:
-    def __init__(self, pattern: str, what: str):
-        self.p, self.i, self.what = pattern, 0, what
+    def __init__(self, pattern: str, what: str, keep_surrogates: bool = False):
+        self.p, self.i, self.what, self.keep = pattern, 0, what, keep_surrogates
 
     def error(self, msg: str, at: int | None = None):
         at = self.i if at is None else at
@@ -133,17 +134,17 @@ class _Parser:
             self.i += 1
             return node
         if c == "[":
-            return ir.codepoints(self.char_class())
+            return ir.codepoints(self.char_class(), self.keep)
         if c == ".":
             self.i += 1
-            return ir.codepoints(ir.negate([(0x0A, 0x0A)]))
+            return ir.codepoints(ir.negate([(0x0A, 0x0A)], self.keep), self.keep)
         if c in ("*", "+", "?") or (c == "{" and self._is_counted()):
             raise self.error("nothing to repeat")
         if c == ")":
             raise self.error("unbalanced ')'")
         if c == "\\":
             got = self.escape(in_class=False)
-            return ir.codepoints(got) if isinstance(got, list) else ir.lit(got)
+            return ir.codepoints(got, self.keep) if isinstance(got, list) else ir.lit(got)
         self.i += 1
         return ir.lit(c)
 
@@ -157,7 +158,7 @@ class _Parser:
         self.i += 1
         if c.lower() in _CLASS_ESCAPES:
             ranges = _CLASS_ESCAPES[c.lower()]
-            return ir.negate(ranges) if c.isupper() else list(ranges)
+            return ir.negate(ranges, self.keep) if c.isupper() else list(ranges)
         if c in _SIMPLE_ESCAPES:
             if c == "0" and self.peek() is not None and self.peek().isdigit():
                 raise self.error("octal escapes are not supported", at)
@@ -169,7 +170,9 @@ class _Parser:
                 raise self.error(f"\\{c} needs {n} hex digits", at)
             self.i += n
             cp = int(digits, 16)
-            if cp > ir.MAX_CP or ir.SURROGATES[0] <= cp <= ir.SURROGATES[1]:
+            # A surrogate may name a class range to leave out ([^a\ud800-\udfff]): classes never
+            # hold surrogates anyway. As a character on its own it is not one.
+            if cp > ir.MAX_CP or (not in_class and ir.SURROGATES[0] <= cp <= ir.SURROGATES[1]):
                 raise self.error(f"\\{c}{digits} is not a Unicode scalar value", at)
             return chr(cp)
         if c.isalnum():
@@ -207,7 +210,7 @@ class _Parser:
                 ranges.append((ord(lo), ord(hi)))
             else:
                 ranges.append((ord(lo), ord(lo)))
-        return ir.negate(ranges) if negated else ranges
+        return ir.negate(ranges, self.keep) if negated else ranges
 
     def class_item(self):
         c = self.peek()
