@@ -277,3 +277,51 @@ def test_fill_bitmasks_batch(vocab):
     prefixes = [t for t, b in enumerate(vocab.token_bytes) if b and b"ab".startswith(b)]
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == prefixes
     assert torch.isfinite(logits[1]).all()
+
+
+# ---- GBNF -----------------------------------------------------------------------------------------
+
+GBNF = {
+    "arith": 'root ::= expr\nexpr ::= term (("+" | "-") term)*\nterm ::= [0-9]+ | "(" expr ")"',
+    "lists": 'root ::= lst\nlst ::= "[" (item ("," " "? item)*)? "]"\nitem ::= [a-c]{1,3} | lst',
+    "json-ish": r'''root ::= obj   # a comment
+obj ::= "{" (pair ("," pair)*)? "}"
+pair ::= "\"" [a-z]+ "\"" ":" val
+val ::= obj | "\"" [^"\\\x00-\x1f]* "\"" | [0-9]+ | "true" | "\u00e9"''',
+}
+
+
+@pytest.mark.parametrize("name", GBNF)
+def test_gbnf_index_equals_brute_force(vocab, name, seed):
+    compiled = GrammarCompiler(vocab).compile_grammar(GBNF[name])
+    _walk_and_check(compiled, random.Random(seed), 120)
+
+
+def test_gbnf_regular_grammar_equals_its_regex(seed):
+    """A GBNF grammar without recursion is one DFA: the same one as the equivalent regex."""
+    from minillm.structured_output.gbnf import parse_gbnf
+
+    g = parse_gbnf('root ::= word (" " word){0,2} "!"?\nword ::= [a-c]+ | "x" [0-9]')
+    pda = compile_grammar(g)
+    dfa = compile_dfa(parse_regex(r"([a-c]+|x[0-9])( ([a-c]+|x[0-9])){0,2}!?"))
+    assert not pda.has_calls
+    rng = random.Random(seed)
+    for _ in range(2000):
+        s = "".join(rng.choice("abcx01 !") for _ in range(rng.randint(0, 8))).encode()
+        assert pda.fullmatch(s) == dfa.fullmatch(s), s
+
+
+@pytest.mark.parametrize(("text", "msg"), [
+    ('root ::= "a', "unterminated string at line 1, column 10"),
+    ('root ::= "a"\nroot ::= "b"', "defined twice at line 2"),
+    ('foo ::= "a"', "no rule 'root'"),
+    ('root ::= ( "a"', "missing '\\)' at line 1, column 10"),
+    ('root ::= "a" {3,1}', "max < min"),
+    ('root ::= [b-a]', "bad character range b-a at line 1"),
+    ("root ::= x\n", "undefined rule 'x'"),
+    ('root ::= "\\q"', "bad escape"),
+    ("just text", "expected a rule"),
+])
+def test_gbnf_errors_name_line_and_column(vocab, text, msg):
+    with pytest.raises(ValueError, match=msg):
+        GrammarCompiler(vocab).compile_grammar(text)

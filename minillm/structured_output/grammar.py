@@ -5,8 +5,8 @@ that is not recursive is simply inlined where it is used, so the only calls left
 finite automaton cannot express (nesting: JSON values inside arrays inside values). A grammar without
 recursion is therefore a single DFA, and costs a table lookup per byte.
 
-The automaton's configuration is a *stack* of nodes, a tuple, top last; a node is one state of one
-rule's DFA, numbered globally. A caller's frame holds the state to return to. A configuration
+The automaton's configuration is a *stack* of nodes (an interned int, see PDA.stack); a node is one
+state of one rule's DFA, numbered globally. A caller's frame holds the state to return to. A configuration
 may be ambiguous (two parses of the same prefix), so the matcher carries a set of stacks.
 """
 
@@ -21,7 +21,7 @@ from .automaton import DFA, compile_dfa
 
 ROOT = "$root"
 MAX_STACKS = 256  # ambiguous parses alive at once; past this the grammar is too ambiguous to serve
-MAX_DEPTH = 10_000
+MAX_DEPTH = 100_000
 
 
 @dataclass
@@ -66,6 +66,11 @@ class PDA:
         self.has_calls = any(self.calls)
         self.trans_list = self.trans.tolist()  # Python lists index faster than numpy one element at a time
         self.end_ok = self._nullable_end()
+        self._intern: dict[tuple[int, int], int] = {}
+        self._node: list[int] = []
+        self._parent: list[int] = []
+        self._depth: list[int] = []
+        self._end: list[bool] = []
         self.follow, self.escape = self._escape_bytes()
 
     def _nullable_end(self) -> np.ndarray:
@@ -117,10 +122,44 @@ class PDA:
                     if (new != follow[rule]).any():
                         follow[rule] = new
                         changed = True
-        escape = (readable & ~direct) | np.array([bool(c) for c in self.calls])[:, None] & readable
+        via_calls = np.zeros((N, 256), dtype=bool)  # bytes a callee (or what follows an empty one) reads
+        for n in range(N):
+            for c, r in self.calls[n]:
+                via_calls[n] |= readable[c] | (readable[r] if self.end_ok[c] else False)
+        escape = via_calls
         escape |= np.where(self.end_ok[:, None] & (self.rule_of != root)[:, None],
                            follow[self.rule_of], False)
         return follow, escape
+
+    # ---- stacks, hash-consed -------------------------------------------------------------------------
+    #
+    # A stack is an int: the id of its top frame (node, parent id), interned so that equal stacks are
+    # the same int. Push, pop and replace-the-top are O(1), a set of stacks hashes in O(its size), and
+    # a deep nesting costs no copying: the tuples this replaced made "((((((" quadratic.
+
+    def stack(self, parent: int, node: int) -> int:
+        """The stack `node` on top of `parent` (-1: nothing below)."""
+        key = (parent, node)
+        s = self._intern.get(key)
+        if s is None:
+            depth = 1 if parent < 0 else self._depth[parent] + 1
+            if depth > MAX_DEPTH:
+                raise ValueError(f"grammar nesting deeper than {MAX_DEPTH}")
+            s = len(self._node)
+            self._intern[key] = s
+            self._node.append(node)
+            self._parent.append(parent)
+            self._depth.append(depth)
+            self._end.append(bool(self.end_ok[node]) and (parent < 0 or self._end[parent]))
+        return s
+
+    def frames(self, s: int) -> list[int]:
+        """The nodes of a stack, bottom first (for tests and debugging)."""
+        out = []
+        while s >= 0:
+            out.append(self._node[s])
+            s = self._parent[s]
+        return out[::-1]
 
     # ---- walking bytes through stacks ---------------------------------------------------------------
 
@@ -128,35 +167,33 @@ class PDA:
         """Every configuration reachable without reading a byte: push callees, pop finished rules.
 
         relative=True treats the bottom frame as a rule whose caller is unknown: popping it is
-        reported (second result) instead of followed. That is how a node's token classes are
-        precomputed without knowing the stack below (token_index.py)."""
-        out, work, escaped = set(), list(stacks), False
-        calls, pop = self.calls, self.pop
+        reported (second result: the set of rules that popped) instead of followed. That is how a
+        node's token classes are precomputed without knowing the stack below (token_index.py)."""
+        out, work, escaped = set(), list(stacks), set()
+        calls, pop, node, parent, stack = self.calls, self.pop, self._node, self._parent, self.stack
         while work:
             s = work.pop()
             if s in out:
                 continue
             out.add(s)
-            n = s[-1]
+            n = node[s]
             for c, r in calls[n]:
-                if len(s) >= MAX_DEPTH:
-                    raise ValueError(f"grammar recursion deeper than {MAX_DEPTH}: left recursion?")
-                work.append(s[:-1] + (r, c))
+                work.append(stack(stack(parent[s], r), c))
             if pop[n]:
-                if len(s) > 1:
-                    work.append(s[:-1])
+                if parent[s] >= 0:
+                    work.append(parent[s])
                 elif relative:
-                    escaped = True
+                    escaped.add(int(self.rule_of[n]))
         return out, escaped
 
     def step(self, stacks, byte: int) -> set:
         """Configurations after reading one byte from already-closed ones."""
         out = set()
-        tl = self.trans_list
+        tl, node, parent, stack = self.trans_list, self._node, self._parent, self.stack
         for s in stacks:
-            m = tl[s[-1]][byte]
+            m = tl[node[s]][byte]
             if m >= 0:
-                out.add(s[:-1] + (m,))
+                out.add(stack(parent[s], m))
         if len(out) > MAX_STACKS:
             raise ValueError(f"the grammar is ambiguous beyond {MAX_STACKS} parses of one prefix")
         return out
@@ -178,8 +215,8 @@ class PDA:
         frame before the first byte is the caller's business: TokenIndex.exit0)."""
         if not self.has_calls:
             return self.step(stacks, b), False
-        closed, esc = self.closure(stacks, relative)
-        esc = esc and pos > 0 and bool(self.follow[self.rule_of[next(iter(stacks))[0]], b])
+        closed, popped = self.closure(stacks, relative)
+        esc = pos > 0 and any(self.follow[r, b] for r in popped)
         return self.step(closed, b), esc
 
     def walk_sorted(self, stacks, datas: list[bytes], relative: bool = False):
@@ -206,9 +243,16 @@ class PDA:
             prev = d
         return out
 
-    def accepts_end(self, stack: tuple) -> bool:
+    def fullmatch(self, data: bytes) -> bool:
+        """Is `data` a complete sentence of the grammar?"""
+        stacks, _ = self.walk({self.stack(-1, self.start)}, data)
+        if stacks and self.has_calls:
+            stacks, _ = self.closure(stacks)
+        return any(self._end[s] for s in stacks)
+
+    def accepts_end(self, s: int) -> bool:
         """Can the output end in this configuration (is EOS allowed)?"""
-        return all(self.end_ok[n] for n in stack)
+        return self._end[s]
 
 
 def compile_grammar(grammar: Grammar) -> PDA:
@@ -221,7 +265,7 @@ def compile_grammar(grammar: Grammar) -> PDA:
         for r in rs:
             if r not in rules:
                 raise ValueError(f"{grammar.source}: rule {name!r} refers to undefined rule {r!r}")
-    recursive = {n for n in rules if n in _reachable(refs, refs[n])}
+    recursive = _cycle_breakers(refs, grammar.root)
 
     expanded: dict[str, object] = {}
 
@@ -263,14 +307,25 @@ def _refs(node) -> set[str]:
     return set()
 
 
-def _reachable(refs, start) -> set[str]:
-    seen, work = set(), list(start)
-    while work:
-        n = work.pop()
-        if n not in seen:
-            seen.add(n)
-            work += refs.get(n, ())
-    return seen
+def _cycle_breakers(refs: dict, root: str) -> set[str]:
+    """The rules that stay rules (call targets): the targets of the back edges of a depth-first walk
+    from the root. Every cycle holds a back edge, so inlining all the other rules terminates, and
+    few calls remain: in `lst ::= "[" item* "]"`, `item ::= [a-z]+ | lst`, only lst is called; item is
+    written into it. Fewer calls mean fewer tokens that cross a rule boundary mid-token."""
+    keep, done, on_path = set(), set(), set()
+
+    def dfs(n):
+        on_path.add(n)
+        for m in sorted(refs[n]):
+            if m in on_path:
+                keep.add(m)
+            elif m not in done:
+                dfs(m)
+        on_path.discard(n)
+        done.add(n)
+
+    dfs(root)
+    return keep
 
 
 def _check_left_recursion(pda: PDA, source: str) -> None:

@@ -59,7 +59,7 @@ class Matcher:
     def __init__(self, compiled: CompiledGrammar, max_rollback: int | None = None):
         self.compiled = compiled
         self.max_rollback = max_rollback
-        self._start = frozenset({(compiled.pda.start,)})
+        self._start = frozenset({compiled.pda.stack(-1, compiled.pda.start)})
         self.reset()
 
     def reset(self) -> None:

@@ -23,6 +23,7 @@ from .grammar import PDA
 from .vocab import TokenVocab
 
 _CHUNK = 128  # states per batch of the vectorized walk: bounds the [states, tokens] temporaries
+STACK_CACHE_SIZE = 16384  # x 6 KB per entry at a 49k vocabulary
 BITS = (np.uint32(1) << np.arange(32, dtype=np.uint32)).view(np.int32)  # [32] one bit each
 
 
@@ -53,6 +54,7 @@ class TokenIndex:
         # allows next counts too; never for the root rule, whose end is the end of the output.
         self.exit0 = pda.end_ok & (pda.rule_of != pda.names.index("$root"))
         self.num_python_walks = 0
+        self._stack_masks: dict[int, np.ndarray] = {}
         state = np.zeros(N, dtype=np.int8)  # 0 todo, 1 in progress, 2 done
         for n in range(N):
             self._resolve(n, cand, state)
@@ -113,7 +115,7 @@ class TokenIndex:
         tb, row = self.vocab.token_bytes, self.acc[n]
         todo = sorted((t for t in todo if not row[t >> 5] >> (t & 31) & 1), key=lambda t: tb[t])
         self.num_python_walks += len(todo)
-        for t, (stacks, escaped) in zip(todo, pda.walk_sorted({(n,)}, [tb[t] for t in todo], relative=True)):
+        for t, (stacks, escaped) in zip(todo, pda.walk_sorted({pda.stack(-1, n)}, [tb[t] for t in todo], relative=True)):
             if stacks:
                 row[t >> 5] |= BITS[t & 31]
             elif escaped:
@@ -121,15 +123,23 @@ class TokenIndex:
         self.mid[n] = np.array(mid, dtype=np.int64)
         state[n] = 2
 
-    def stack_mask(self, stack: tuple, out: np.ndarray) -> None:
-        """OR into `out` ([W] int32) the tokens allowed on top of this stack (EOS not included)."""
-        pda, tb = self.pda, self.vocab.token_bytes
-        while True:
-            n = stack[-1]
-            out |= self.acc[n]
+    def stack_mask(self, stack: int, out: np.ndarray) -> None:
+        """OR into `out` ([W] int32) the tokens allowed on top of this stack (EOS not included).
+
+        mask(stack) = acc[top] | the top's context-dependent tokens that the real stack accepts |
+        mask(stack minus top) if the top's rule may end here. Cached per stack, shared by all
+        requests: the caller stacks below a new nesting depth are the ones seen before."""
+        m = self._stack_masks.get(stack)
+        if m is None:
+            pda, tb = self.pda, self.vocab.token_bytes
+            n, parent = pda._node[stack], pda._parent[stack]
+            m = self.acc[n].copy()
             for t in self.mid[n].tolist():
-                if not out[t >> 5] >> (t & 31) & 1 and pda.walk({stack}, tb[t])[0]:
-                    out[t >> 5] |= BITS[t & 31]
-            if not (self.exit0[n] and len(stack) > 1):
-                return
-            stack = stack[:-1]  # the rule may end here: what its caller allows next counts too
+                if not m[t >> 5] >> (t & 31) & 1 and pda.walk({stack}, tb[t])[0]:
+                    m[t >> 5] |= BITS[t & 31]
+            if self.exit0[n] and parent >= 0:
+                self.stack_mask(parent, m)  # the rule may end here: its caller's tokens count too
+            if len(self._stack_masks) >= STACK_CACHE_SIZE:
+                self._stack_masks.clear()
+            self._stack_masks[stack] = m
+        out |= m
