@@ -325,3 +325,13 @@ def test_gbnf_regular_grammar_equals_its_regex(seed):
 def test_gbnf_errors_name_line_and_column(vocab, text, msg):
     with pytest.raises(ValueError, match=msg):
         GrammarCompiler(vocab).compile_grammar(text)
+
+
+def test_forced_bytes_for_jump_forward(vocab):
+    c = GrammarCompiler(vocab)
+    m = Matcher(c.compile_json_schema({"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "null"}},
+                                       "required": ["name", "n"]}))
+    assert m.forced_bytes() == b'{"name": "'
+    assert m.accept_string('{"name": "x"') and m.forced_bytes() == b', "n": null}'
+    assert Matcher(c.compile_regex("ab|ac")).forced_bytes() == b"a"
+    assert Matcher(c.compile_regex("a|ab")).forced_bytes() == b"a"  # then it may end: stop there

@@ -8,11 +8,14 @@ repeat a schema, as an application's requests do, find it in an LRU cache keyed 
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections import OrderedDict
 
 from . import ir
+from .gbnf import parse_gbnf
 from .grammar import Grammar, compile_grammar
+from .json_schema import schema_to_grammar
 from .matcher import CompiledGrammar
 from .params import StructuredOutputsParams
 from .regex import parse_regex
@@ -64,14 +67,10 @@ class GrammarCompiler:
         if kind == "choice":
             return Grammar({"root": ir.alt(*(ir.lit(c) for c in params.choice))}, source="structured_outputs.choice")
         if kind in ("json", "json_object"):
-            from .json_schema import schema_to_grammar
-
-            schema = {"type": "object"} if kind == "json_object" else _loads(spec)
+            schema = {"type": "object"} if kind == "json_object" else json.loads(spec)
             return schema_to_grammar(schema, max_whitespace=self.max_whitespace,
                                      source=f"structured_outputs.{kind}", xgrammar_strings=self.xgrammar_strings)
         if kind == "grammar":
-            from .gbnf import parse_gbnf
-
             return parse_gbnf(params.grammar, source="structured_outputs.grammar")
         raise AssertionError(kind)
 
@@ -85,8 +84,3 @@ class GrammarCompiler:
     def compile_grammar(self, text: str) -> CompiledGrammar:
         return self.compile(StructuredOutputsParams(grammar=text))
 
-
-def _loads(spec: str):
-    import json
-
-    return json.loads(spec)

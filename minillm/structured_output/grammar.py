@@ -12,6 +12,7 @@ may be ambiguous (two parses of the same prefix), so the matcher carries a set o
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,6 +68,7 @@ class PDA:
         self.trans_list = self.trans.tolist()  # Python lists index faster than numpy one element at a time
         self.end_ok = self._nullable_end()
         self._intern: dict[tuple[int, int], int] = {}
+        self._lock = threading.Lock()
         self._node: list[int] = []
         self._parent: list[int] = []
         self._depth: list[int] = []
@@ -142,6 +144,16 @@ class PDA:
         key = (parent, node)
         s = self._intern.get(key)
         if s is None:
+            return self._new_stack(key, parent, node)
+        return s
+
+    def _new_stack(self, key, parent: int, node: int) -> int:
+        # Under a lock: an engine may fill one request's mask in a helper thread while the main
+        # thread accepts another's token, and the four appends below must stay in step.
+        with self._lock:
+            s = self._intern.get(key)
+            if s is not None:
+                return s
             depth = 1 if parent < 0 else self._depth[parent] + 1
             if depth > MAX_DEPTH:
                 raise ValueError(f"grammar nesting deeper than {MAX_DEPTH}")
@@ -151,7 +163,7 @@ class PDA:
             self._parent.append(parent)
             self._depth.append(depth)
             self._end.append(bool(self.end_ok[node]) and (parent < 0 or self._end[parent]))
-        return s
+            return s
 
     def frames(self, s: int) -> list[int]:
         """The nodes of a stack, bottom first (for tests and debugging)."""

@@ -20,6 +20,7 @@ import json
 
 from . import ir
 from .grammar import Grammar
+from .int_range import int_range
 from .regex import parse_regex
 
 _IGNORED = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
@@ -185,8 +186,6 @@ class _Converter:
             return INTEGER
         if lo is not None and hi is not None and lo > hi:
             raise self.error(path, f"integer range [{lo}, {hi}] is empty")
-        from .int_range import int_range
-
         return int_range(lo, hi)
 
     def t_string(self, s, path):

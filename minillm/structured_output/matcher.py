@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from .grammar import PDA
-from .token_index import BITS, TokenIndex
+from .token_index import BITS, TokenIndex, unpack_bits
 from .vocab import TokenVocab
 
 MASK_CACHE_SIZE = 8192
@@ -89,8 +89,6 @@ class Matcher:
 
     def allowed_tokens(self) -> np.ndarray:
         """The allowed token ids, sorted (for tests and debugging)."""
-        from .token_index import unpack_bits
-
         row = np.zeros(self.compiled.vocab.num_words, dtype=np.int32)
         self.fill_bitmask(row)
         return np.nonzero(unpack_bits(row, self.compiled.vocab.vocab_size))[0]
@@ -122,6 +120,22 @@ class Matcher:
             return False
         self._push(frozenset(stacks))
         return True
+
+    def forced_bytes(self, limit: int = 256) -> bytes:
+        """The bytes the grammar forces next (one possible byte at each step, and the output may not
+        end before them): what jump-forward decoding may append without sampling. Does not move."""
+        pda, out, stacks = self.compiled.pda, bytearray(), self.state
+        while len(out) < limit and not self._terminated:
+            closed = pda.closure(stacks)[0] if pda.has_calls else stacks
+            if any(pda.accepts_end(s) for s in closed):
+                break
+            nxt = {int(b) for s in closed for b in np.nonzero(pda.trans[pda._node[s]] >= 0)[0]}
+            if len(nxt) != 1:
+                break
+            b = nxt.pop()
+            out.append(b)
+            stacks = pda.step(closed, b)
+        return bytes(out)
 
     def _push(self, new_state: frozenset) -> None:
         self._history.append(self.state)

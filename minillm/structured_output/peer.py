@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -67,7 +68,7 @@ value ::= "\"" [a-z é]* "\"" | "true" | "false" | [0-9]+ ("." [0-9]+)?''',
 
 def xgrammar_tokenizer_info(vocab: TokenVocab):
     """The same vocabulary for xgrammar: excluded tokens as empty bytes (xgrammar's "special")."""
-    import xgrammar as xgr
+    import xgrammar as xgr  # lazy: optional dependency (the dev extra), only the peer needs it
 
     return xgr.TokenizerInfo(list(vocab.token_bytes), xgr.VocabType.RAW, vocab_size=vocab.vocab_size,
                              stop_token_ids=vocab.stop_ids)
@@ -88,7 +89,7 @@ class WalkResult:
 def parity_walk(ours, theirs, steps: int, rng: random.Random, max_mismatches: int = 3) -> WalkResult:
     """Walk `steps` tokens, picking among the allowed ones (EOS with p=0.2 when allowed, a short
     token with p=0.4, else any), comparing the two packed masks word for word at every step."""
-    import xgrammar as xgr
+    import xgrammar as xgr  # lazy: optional dependency (the dev extra), only the peer needs it
 
     vocab = ours.vocab
     m, xm = Matcher(ours), xgr.GrammarMatcher(theirs)
@@ -135,7 +136,7 @@ def parity_walk(ours, theirs, steps: int, rng: random.Random, max_mismatches: in
 
 def compile_both(vocab: TokenVocab, kind: str, spec, max_whitespace: int | None = None):
     """(ours, theirs, our compile ms, their compile ms) for kind 'regex', 'json' or 'grammar'."""
-    import xgrammar as xgr
+    import xgrammar as xgr  # lazy: optional dependency (the dev extra), only the peer needs it
 
     ours_c = GrammarCompiler(vocab, max_whitespace=max_whitespace, xgrammar_strings=True)
     theirs_c = xgr.GrammarCompiler(xgrammar_tokenizer_info(vocab), max_threads=1, cache_enabled=False)
@@ -153,7 +154,7 @@ def compile_both(vocab: TokenVocab, kind: str, spec, max_whitespace: int | None 
 
 
 def main(steps: int = 1000, seed: int = 0) -> None:
-    from minillm import load_tokenizer
+    from ..tokenizer import load_tokenizer  # lazy: loads the embedded model's files, only for the table
 
     vocab = TokenVocab.from_tokenizer(load_tokenizer())
     print(f"vocabulary: {vocab.vocab_size} tokens; {steps} random-walk steps per grammar")
@@ -172,6 +173,4 @@ def main(steps: int = 1000, seed: int = 0) -> None:
 
 
 if __name__ == "__main__":
-    import sys
-
     main(*(int(a) for a in sys.argv[1:]))
