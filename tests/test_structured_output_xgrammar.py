@@ -25,7 +25,8 @@ from minillm.structured_output.peer import (
 
 xgr = pytest.importorskip("xgrammar")
 
-STEPS = 420  # x 25 grammars = 10,500 steps
+STEPS = 420  # x 24 grammars + 200 = 10,280 steps
+SHORT = {"lists": 200}  # xgrammar's own mask takes up to ~0.3 s a step on nested lists: keep CI fast
 CASES = [("regex", p, None) for p in PARITY_REGEXES] + [
     ("json", name, ws) for name in PARITY_SCHEMAS for ws in (None, 2)] + [("grammar", g, None) for g in PARITY_GRAMMARS]
 
@@ -42,12 +43,13 @@ def test_masks_equal_xgrammar(vocab, kind, spec, ws, seed):
     schema = PARITY_SCHEMAS[spec] if kind == "json" else None
     text = {"json": schema, "grammar": PARITY_GRAMMARS.get(spec), "regex": spec}[kind]
     ours, theirs, our_ms, their_ms = compile_both(vocab, kind, text, ws)
-    r = parity_walk(ours, theirs, STEPS, random.Random(seed))
+    steps = SHORT.get(spec, STEPS)
+    r = parity_walk(ours, theirs, steps, random.Random(seed))
     print(f"\n{kind} {spec} ws={ws}: compile {our_ms:.1f} ms (xgrammar {their_ms:.1f}); mask p50 "
           f"{r.p('ours_us', 50):.1f} us p99 {r.p('ours_us', 99):.1f} (xgrammar {r.p('theirs_us', 50):.1f} / "
           f"{r.p('theirs_us', 99):.1f}); {len(r.finished)} outputs finished")
     assert not r.mismatches, (seed, r.mismatches[:2])
-    assert r.steps == STEPS
+    assert r.steps == steps
     for text in r.finished:  # what both allowed is in the language
         s = text.decode("utf-8", "surrogatepass")  # xgrammar_strings lets surrogates and controls in
         if kind == "regex":

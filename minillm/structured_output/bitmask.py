@@ -33,9 +33,8 @@ def fill_bitmasks(matchers, bitmask: torch.Tensor) -> None:
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[B, W] int32 -> [B, V] bool (True = allowed)."""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)  # [32]
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [B, W, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    bits = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32, device=bitmask.device)  # [32]
+    return (bitmask.unsqueeze(-1) & bits).ne(0).reshape(bitmask.shape[0], -1)[:, :vocab_size]  # [B, W, 32] -> [B, V]
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices=None) -> torch.Tensor:
@@ -49,15 +48,14 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices=Non
         raise ValueError(f"logits [B, V] and bitmask [B, W] expected, got {tuple(logits.shape)} and {tuple(bitmask.shape)}")
     if bitmask.dtype != torch.int32:
         raise ValueError(f"bitmask must be int32, not {bitmask.dtype}")
-    rows = logits if indices is None else logits[indices]  # [b, V]
-    if rows.shape[0] != bitmask.shape[0]:
-        raise ValueError(f"{bitmask.shape[0]} bitmask rows for {rows.shape[0]} logits rows")
-    V = min(rows.shape[1], bitmask.shape[1] * 32)
-    allowed = unpack_bitmask(bitmask.to(logits.device), V)  # [b, V]
-    masked = rows[:, :V].masked_fill(~allowed, float("-inf"))
+    n = logits.shape[0] if indices is None else len(indices)
+    if n != bitmask.shape[0]:
+        raise ValueError(f"{bitmask.shape[0]} bitmask rows for {n} logits rows")
+    V = min(logits.shape[1], bitmask.shape[1] * 32)
+    disallowed = ~unpack_bitmask(bitmask.to(logits.device), V)  # [b, V]
     if indices is None:
-        logits[:, :V] = masked
+        logits[:, :V].masked_fill_(disallowed, float("-inf"))  # a view: in place
     else:
         idx = torch.as_tensor(indices, device=logits.device)
-        logits[idx, :V] = masked
+        logits[idx, :V] = logits[idx, :V].masked_fill(disallowed, float("-inf"))  # [b, V] gathered rows
     return logits
