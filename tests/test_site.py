@@ -1,6 +1,10 @@
 """The course site: `mkdocs build --strict` succeeds, and in headless Chromium a chapter page, a
 rendered notebook with its plots, the math on both and the chapters' mermaid diagrams actually render,
-with no network beyond the site itself (MathJax and mermaid are served by the site)."""
+with no network beyond the site itself (MathJax and mermaid are served by the site). The test_site_*
+tests open every page and measure it as a reader sees it: diagrams at their size, no raw TeX, no stderr
+or progress bars, real titles, anchors that land, nothing clipped or shrunk, no outside request.
+
+    MINILLM_SITE=site pytest tests/test_site.py    # a site built before (make docs), as is"""
 
 from __future__ import annotations
 
@@ -226,9 +230,11 @@ def test_wide_diagrams_keep_legible_labels(site):
 
 def test_notebook_output_does_not_wrap(site):
     """print_table's rows stay one line each: notebook output blocks scroll sideways instead of wrapping."""
-    _, base = site
+    out, base = site
     dom = _dom(f"{base}/notebooks/09_speculative_decoding/")
-    assert re.search(r"\.jp-OutputArea-output pre[^{]*\{[^}]*white-space: pre !important", dom)
+    assert re.search(r'<link rel="stylesheet" href="[./]*assets/minillm\.css">', dom), "the site's styles are not loaded"
+    css = (out / "assets" / "minillm.css").read_text()
+    assert re.search(r"\.jp-OutputArea-output pre[^{]*\{[^}]*white-space: pre !important", css)
 
 
 def test_home_page_shows_outputs_status(site):
@@ -449,10 +455,11 @@ def _expect_none(found: dict[str, list], what: str, head: str = "") -> None:
 
 @pytest.mark.slow
 def test_site_diagrams_are_drawn_at_their_size(browsed):
-    """Every mermaid diagram is drawn, at its natural size (not shrunk to the column with its labels, and
-    not letterboxed in a box of its natural height): a reader can read its labels."""
+    """Every mermaid diagram is drawn at its natural size, labels and all (not shrunk to the column inside a
+    box of its natural height), and is at most two columns wide (a wider one is redrawn top-down)."""
     bad = {page: [f"{d.get('kind')} {d.get('natural')} px drawn at {d.get('scale')} (labels {d.get('label')} px)"
-                  for d in r["diagrams"] if not d["drawn"] or d["scale"] < 0.95 or d["label"] < 10]
+                  for d in r["diagrams"]
+                  if not d["drawn"] or d["scale"] < 0.95 or d["label"] < 10 or d["natural"] > 2 * r["column"]]
            for page, r in browsed.items()}
     assert sum(len(r["diagrams"]) for r in browsed.values()) >= 10, "the chapters' diagrams are not on the site"
     _expect_none(bad, "diagrams shrunk or unreadable")
