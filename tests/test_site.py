@@ -25,10 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # even on a machine with a network.
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1", "--virtual-time-budget=20000"]
-# Material draws each mermaid diagram into a closed shadow root, which --dump-dom does not print. A page
-# asked for with this query gets, first thing in its <head>, a shim that makes attachShadow hand back the
-# host element itself, so the diagram's SVG lands in the DOM that --dump-dom prints.
+                  "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"]
+# Material draws each mermaid diagram into a closed shadow root, which the page's HTML (_dom) does not
+# include. A page asked for with this query gets, first thing in its <head>, a shim that makes attachShadow
+# hand back the host element itself, so the diagram's SVG lands in the HTML that _dom returns.
 LIGHT_DOM = "light-dom"
 LIGHT_DOM_SHIM = b"<script>Element.prototype.attachShadow = function () { return this; };</script>"
 
@@ -60,8 +60,17 @@ def _serve(out: Path):
     handler = functools.partial(_SiteHandler, directory=str(out))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield out, f"http://127.0.0.1:{server.server_address[1]}"
+    _SITE.append((out, f"http://127.0.0.1:{server.server_address[1]}"))
+    yield _SITE[0]
+    while _BROWSER:
+        _BROWSER.pop().close()
+    _SITE.clear()
+    _SWEPT.clear()
+    _dom.cache_clear()
     server.shutdown()
+
+
+_SITE: list = []  # (folder, URL) of the site the module's tests are looking at
 
 
 NOT_FOUND: list[str] = []  # every path the test server answered 404, in order
@@ -101,11 +110,26 @@ def _env():
 
 @functools.cache
 def _dom(url: str) -> str:
-    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
-        proc = subprocess.run([_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--dump-dom", url],
-                              capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout
+    """The page's DOM once its math is typeset and its diagrams drawn (as --dump-dom prints it): from the
+    sweep of every page (test_site_as_a_reader_sees_it) if this worker has made it, else loaded now."""
+    if "?" not in url and _SITE and (page := url.removeprefix(_SITE[0][1] + "/")) in _SWEPT:
+        return _SWEPT[page]["html"]
+    return _browser().dom(url)
+
+
+@pytest.mark.slow
+def test_site_as_a_reader_sees_it(site, browsed):
+    """Every page of the site, opened in headless Chromium and measured (the checks below, one per defect
+    class of the site review): fails naming every class that any page shows, with counts and examples. One
+    test, so that one xdist worker opens the pages; tests after it in that worker reuse their DOMs."""
+    failures = []
+    for check in SITE_CHECKS:
+        try:
+            check(site, browsed)
+        except (pytest.fail.Exception, AssertionError) as e:
+            failures.append(f"{check.__name__}: {e}")
+    if failures:
+        pytest.fail(f"{len(failures)} of {len(SITE_CHECKS)} checks failed:\n" + "\n".join(failures), pytrace=False)
 
 
 def test_course_map_lists_all_chapters(site):
@@ -261,13 +285,16 @@ OPEN_SHADOW = """(() => { const orig = Element.prototype.attachShadow;
   Element.prototype.attachShadow = function (init) { return orig.call(this, Object.assign({}, init, {mode: 'open'})); };
 })();"""
 # Wait until MathJax has typeset and every mermaid host holds an SVG, then measure.
-MEASURE = r"""(async () => {
+SETTLE = r"""
   const t0 = Date.now();
   const drawn = () => [...document.querySelectorAll('.mermaid')].every(h => (h.shadowRoot || h).querySelector('svg'));
   while (!drawn() && Date.now() - t0 < 20000) await new Promise(r => setTimeout(r, 100));
   if (window.MathJax && MathJax.Hub && MathJax.Hub.Queue) await new Promise(r => MathJax.Hub.Queue(r));
   await document.fonts.ready;
   await new Promise(r => setTimeout(r, 200));
+"""
+DOM = "(async () => {" + SETTLE + "return document.documentElement.outerHTML; })()"
+MEASURE = "(async () => {" + SETTLE + r"""
   const content = document.querySelector('.md-content') || document.body;
   const r = {url: location.pathname};
   // the page's own title in the header (Material shows it once the reader scrolls)
@@ -320,6 +347,7 @@ MEASURE = r"""(async () => {
     .map(i => ({natural: i.naturalWidth, width: Math.round(i.getBoundingClientRect().width)}))
     .filter(i => i.width < 0.5 * i.natural);
   r.pageScrolls = document.documentElement.scrollWidth > window.innerWidth + 1;
+  r.html = document.documentElement.outerHTML;
   return r;
 })()"""
 
@@ -344,9 +372,8 @@ class _Chromium:
             os.dup2(a, 3)
             os.dup2(b, 4)
 
-        flags = [f for f in CHROMIUM_FLAGS if not f.startswith("--virtual-time-budget")]
         self._proc = subprocess.Popen(
-            [_chromium(), *flags, f"--user-data-dir={self._profile.name}", "--remote-debugging-pipe",
+            [_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={self._profile.name}", "--remote-debugging-pipe",
              "--hide-scrollbars", f"--window-size={VIEWPORT[0]},{VIEWPORT[1]}", "about:blank"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             preexec_fn=pipes_on_3_and_4, close_fds=False)
@@ -358,6 +385,8 @@ class _Chromium:
         for domain in ("Page", "Runtime", "Network", "Log"):
             self.send(f"{domain}.enable", session=self.session)
         self.send("Page.addScriptToEvaluateOnNewDocument", source=OPEN_SHADOW, session=self.session)
+        # every load asks the server for every file (test_page_requests_nothing_missing counts its 404s)
+        self.send("Network.setCacheDisabled", cacheDisabled=True, session=self.session)
         self.send("Emulation.setDeviceMetricsOverride", width=VIEWPORT[0], height=VIEWPORT[1], deviceScaleFactor=1,
                   mobile=False, session=self.session)
 
@@ -394,15 +423,21 @@ class _Chromium:
             assert time.monotonic() < deadline, f"no {method} within {timeout} s"
             self.events.append(self._read())
 
-    def visit(self, url: str) -> dict:
-        """The page's measurements (MEASURE), with every request it made and every console error."""
+    def _load(self, url: str, expression: str):
         self.events = []
         self.send("Page.navigate", url=url, session=self.session)
         self.wait_for("Page.loadEventFired")
-        result = self.send("Runtime.evaluate", expression=MEASURE, awaitPromise=True, returnByValue=True,
+        result = self.send("Runtime.evaluate", expression=expression, awaitPromise=True, returnByValue=True,
                            timeout=60000, session=self.session)
         assert "exceptionDetails" not in result, result["exceptionDetails"]
-        page = result["result"]["value"]
+        return result["result"]["value"]
+
+    def dom(self, url: str) -> str:
+        return self._load(url, DOM)
+
+    def visit(self, url: str) -> dict:
+        """The page's measurements (MEASURE), with every request it made and every console error."""
+        page = self._load(url, MEASURE)
         params = [(e["method"], e.get("params", {})) for e in self.events]
         page["requests"] = [p["request"]["url"] for m, p in params if m == "Network.requestWillBeSent"]
         page["errors"] = [p["exceptionDetails"].get("text", "") for m, p in params if m == "Runtime.exceptionThrown"]
@@ -433,15 +468,29 @@ def _site_pages(out: Path) -> list[str]:
     return ["" if p == "./" else p for p in pages if not p.startswith("assets/")] + ["404.html"]
 
 
+_BROWSER: list = []  # the module's one headless Chromium, started by the first page it opens
+
+
+def _browser() -> _Chromium:
+    if not _BROWSER:
+        _BROWSER.append(_Chromium())
+    return _BROWSER[0]
+
+
+_SWEPT: dict = {}  # {page: measurements}, once _sweep has opened every page
+
+
+def _sweep(out: Path, base: str) -> dict:
+    """{page: measurements, and its DOM under "html"} for every page of the site, each opened once."""
+    if not _SWEPT:
+        _SWEPT.update({page: _browser().visit(f"{base}/{page}") for page in _site_pages(out)})
+    return _SWEPT
+
+
 @pytest.fixture(scope="module")
 def browsed(site):
-    """{page: measurements} for every page of the site, opened in one headless Chromium."""
-    out, base = site
-    browser = _Chromium()
-    try:
-        return {page: browser.visit(f"{base}/{page}") for page in _site_pages(out)}
-    finally:
-        browser.close()
+    """{page: measurements} for every page of the site."""
+    return _sweep(*site)
 
 
 def _expect_none(found: dict[str, list], what: str, head: str = "") -> None:
@@ -453,8 +502,7 @@ def _expect_none(found: dict[str, list], what: str, head: str = "") -> None:
         pytest.fail("\n".join(lines), pytrace=False)
 
 
-@pytest.mark.slow
-def test_site_diagrams_are_drawn_at_their_size(browsed):
+def _check_diagrams_are_drawn_at_their_size(site, browsed):
     """Every mermaid diagram is drawn at its natural size, labels and all (not shrunk to the column inside a
     box of its natural height), and is at most two columns wide (a wider one is redrawn top-down)."""
     bad = {page: [f"{d.get('kind')} {d.get('natural')} px drawn at {d.get('scale')} (labels {d.get('label')} px)"
@@ -465,8 +513,7 @@ def test_site_diagrams_are_drawn_at_their_size(browsed):
     _expect_none(bad, "diagrams shrunk or unreadable")
 
 
-@pytest.mark.slow
-def test_site_math_is_typeset(browsed):
+def _check_math_is_typeset(site, browsed):
     """No TeX is left as text: no \\( \\) \\[ \\] $$ or $...$ outside code, every arithmatex span typeset,
     no MathJax error."""
     raw = {page: r["rawTex"] + [f"{r['untypeset']} formulas not typeset"] * bool(r["untypeset"])
@@ -474,8 +521,7 @@ def test_site_math_is_typeset(browsed):
     _expect_none(raw, "raw TeX texts")
 
 
-@pytest.mark.slow
-def test_site_notebooks_show_no_stderr_or_progress_bars(browsed):
+def _check_notebooks_show_no_stderr_or_progress_bars(site, browsed):
     """Stored outputs as the reader sees them: no stderr stream, no progress bar (a tqdm bar stored without
     its widget state renders as its first frame, 0 %, forever)."""
     noise = {page: [f"{r['stderr']} stderr blocks"] * bool(r["stderr"]) + r["bars"] for page, r in browsed.items()}
@@ -483,8 +529,7 @@ def test_site_notebooks_show_no_stderr_or_progress_bars(browsed):
     _expect_none(noise, "stderr blocks and progress bars")
 
 
-@pytest.mark.slow
-def test_site_titles_name_the_page(site, browsed):
+def _check_titles_name_the_page(site, browsed):
     """The header (shown once the reader scrolls) and search name the page ("05 · Paged KV blocks —
     notebook"), not its nav label ("Chapter", "Notebook")."""
     import json
@@ -497,8 +542,7 @@ def test_site_titles_name_the_page(site, browsed):
     _expect_none(bad, "generic titles")
 
 
-@pytest.mark.slow
-def test_site_anchor_links_resolve(browsed):
+def _check_anchor_links_resolve(site, browsed):
     """Every link to a place on a page of the site (the table of contents' included) finds an element with
     that id there."""
     from urllib.parse import unquote, urlsplit
@@ -512,8 +556,7 @@ def test_site_anchor_links_resolve(browsed):
     _expect_none(dead, "dead anchor links")
 
 
-@pytest.mark.slow
-def test_site_content_fits_the_column(browsed):
+def _check_content_fits_the_column(site, browsed):
     """At 1280 px nothing hides behind a sideways scroll: code blocks (chapters and notebook inputs) show
     whole lines, tables fit, no plot is drawn at less than half its width, the page itself does not scroll
     sideways. (Notebook *outputs* keep their lines and may scroll: they are print_table's columns.)"""
@@ -524,8 +567,7 @@ def test_site_content_fits_the_column(browsed):
     _expect_none(over, "overflowing blocks", head=f"{counts}: ")
 
 
-@pytest.mark.slow
-def test_site_is_offline(browsed):
+def _check_is_offline(site, browsed):
     """No page asks any host but the site for anything (fonts, scripts, styles), and no page logs an error
     or throws. (MathJax 2's HTML-CSS output declares an `about:blank` font, which Chromium refuses with a
     console error: harmless, and the only error allowed.)"""
@@ -536,3 +578,8 @@ def test_site_is_offline(browsed):
     _expect_none(outside, "requests to outside hosts")
     errors = {page: [e for e in r["errors"] if "about:blank" not in e] for page, r in browsed.items()}
     _expect_none(errors, "console errors")
+
+
+SITE_CHECKS = [_check_diagrams_are_drawn_at_their_size, _check_math_is_typeset,
+               _check_notebooks_show_no_stderr_or_progress_bars, _check_titles_name_the_page,
+               _check_anchor_links_resolve, _check_content_fits_the_column, _check_is_offline]
