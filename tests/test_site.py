@@ -376,7 +376,7 @@ class _Chromium:
             [_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={self._profile.name}", "--remote-debugging-pipe",
              "--hide-scrollbars", f"--window-size={VIEWPORT[0]},{VIEWPORT[1]}", "about:blank"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=pipes_on_3_and_4, close_fds=False)
+            preexec_fn=pipes_on_3_and_4, close_fds=False)  # (Python opens its own files non-inheritable)
         os.close(cmd_r)
         os.close(out_w)
         self._buf, self._next_id, self.events = b"", 0, []
@@ -390,10 +390,12 @@ class _Chromium:
         self.send("Emulation.setDeviceMetricsOverride", width=VIEWPORT[0], height=VIEWPORT[1], deviceScaleFactor=1,
                   mobile=False, session=self.session)
 
-    def _read(self):
+    def _read(self, timeout: float = 120.0):
         import os
+        import select
 
         while b"\0" not in self._buf:
+            assert select.select([self._out_r], [], [], timeout)[0], f"Chromium said nothing for {timeout} s"
             chunk = os.read(self._out_r, 1 << 20)
             assert chunk, "Chromium closed its DevTools pipe"
             self._buf += chunk
