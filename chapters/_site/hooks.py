@@ -8,6 +8,11 @@ Mermaid's come from the npm registry's `mermaid` package, pinned in vendor_merma
 installs into the virtual environment. overrides/main.html loads it on the pages that have a diagram, and
 Material for MkDocs, finding `mermaid` already there, draws the diagrams with it instead of fetching it.
 
+The site's styles are site.css (copied to assets/minillm.css): code wraps, tables fit, diagrams are drawn
+at their natural size, notebook pages drop the prompt column. Notebook pages lose their stderr streams and
+progress bars at render time (the stored outputs stay as the GPU run wrote them) and get a table of
+contents built from their headings' own ids.
+
 MathJax 2.7's default font is TeX, which jupyter-server-mathjax does not ship (it ships STIX-Web): the
 local configuration written below (config/local/minillm.js) selects STIX-Web, so no font request fails.
 """
@@ -34,12 +39,14 @@ MATHJAX_LOCAL_CONFIG = """MathJax.Hub.Config({
 });
 MathJax.Ajax.loadComplete("[MathJax]/config/local/minillm.js");
 """
-# Runs after mermaid.min.js and before Material initializes mermaid: flowcharts keep their natural width.
+# Runs after mermaid.min.js and before Material initializes mermaid: flowcharts and sequence diagrams keep
+# their natural width (site.css draws the host as a block that scrolls sideways when a diagram is wider).
 MERMAID_INIT = """(function () {
   var initialize = mermaid.initialize.bind(mermaid);
   mermaid.initialize = function (cfg) {
     cfg = Object.assign({}, cfg || {});
     cfg.flowchart = Object.assign({}, cfg.flowchart || {}, {useMaxWidth: false});
+    cfg.sequence = Object.assign({}, cfg.sequence || {}, {useMaxWidth: false});
     return initialize(cfg);
   };
 })();
@@ -57,7 +64,11 @@ def on_config(config, **kwargs):
 
 def on_page_markdown(markdown, page, config, **kwargs):
     """The home page's outputs-status table, computed now from the stored notebooks and today's modules;
-    on a chapter, each quoted figure says where it is checked."""
+    on a chapter, each quoted figure says where it is checked. Every page of a chapter is titled after it
+    ("05 · Paged KV blocks — notebook"), not by its nav label ("Notebook"): the header shows that title
+    once the reader scrolls, and search lists it (search reads the title before on_page_context)."""
+    if page.parent:
+        page.meta.setdefault("title", f"{page.parent.title} — {_kind(page)}")
     if page.file.src_uri == "index.md":
         from minillm import course_status
 
@@ -69,13 +80,91 @@ def on_page_markdown(markdown, page, config, **kwargs):
     return markdown
 
 
+def _kind(page) -> str:
+    return "notebook" if page.file.src_uri.endswith(".ipynb") else "text"
+
+
 def on_page_context(context, page, config, **kwargs):
     """<title>: the chapter and which of its pages this is (mkdocs' default is the nav label, "Chapter")."""
     section = page.parent.title if page.parent else ""
     if section:
-        kind = "notebook" if page.file.src_uri.endswith(".ipynb") else "text"
-        page.meta["site_title"] = f"{section} — {kind}"
+        page.meta["site_title"] = f"{section} — {_kind(page)}"
     return context
+
+
+# One output of a rendered notebook (nbconvert's lab template), up to its closing tag (_div_end).
+OUTPUT_START = re.compile(r'<div class="jp-OutputArea-child[" ]')
+# tqdm's text: "capturing CUDA graphs:  45%|████▌     | 9/20 [00:01<00:01,  9.39it/s]" (escaped in the HTML)
+PROGRESS_LINE = re.compile(r"^[^\n]*\d+%\|[^|\n]*\| *[\d.]+[kMG]?/[\d.]+[kMG]? \[[^\]\n]*\]\s*$")
+
+
+def _div_end(html: str, start: int) -> int:
+    """The index just past the </div> that closes the <div> at `start` (output text is escaped: no raw tags)."""
+    depth, pos = 0, start
+    for m in re.compile(r"<div\b|</div>").finditer(html, start):
+        depth += 1 if m.group() != "</div>" else -1
+        pos = m.end()
+        if depth == 0:
+            return pos
+    raise PluginError("unbalanced <div> in a rendered notebook")
+
+
+def _is_noise(output: str) -> bool:
+    """A stderr stream, or an output that is nothing but progress-bar frames. A tqdm bar stored without its
+    widget state renders as its text fallback, the first frame ("0%| | 0/300 [00:00<?, ?it/s]"), forever;
+    a bar written to stderr renders as a pink block per refresh. Neither is a result."""
+    if 'data-mime-type="application/vnd.jupyter.stderr"' in output:
+        return True
+    if "<img" in output or "<table" in output:
+        return False
+    import html as htmllib
+
+    text = htmllib.unescape(re.sub(r"<[^>]+>", "", output))
+    lines = [line for line in re.split(r"[\r\n]+", text) if line.strip()]
+    return bool(lines) and all(PROGRESS_LINE.match(line) for line in lines)
+
+
+def strip_notebook_noise(html: str) -> tuple[str, int]:
+    """The rendered notebook without its stderr streams and progress bars (the stored outputs stay as the
+    GPU run wrote them), and how many outputs went."""
+    parts, pos, removed = [], 0, 0
+    for m in OUTPUT_START.finditer(html):
+        if m.start() < pos:
+            continue
+        end = _div_end(html, m.start())
+        if _is_noise(html[m.start():end]):
+            parts.append(html[pos:m.start()])
+            pos, removed = end, removed + 1
+    parts.append(html[pos:])
+    return "".join(parts), removed
+
+
+def _heading_toc(html: str):
+    """The table of contents of a rendered notebook, from its headings' own ids. mkdocs-jupyter builds it
+    from a markdown conversion of the notebook, which drops inline code from a heading ("HF `tokenizers`,
+    token for token" -> "HF , token for token") and so links to an id the page does not have."""
+    import html as htmllib
+
+    from mkdocs.structure.toc import get_toc
+
+    tokens, stack = [], []
+    for m in re.finditer(r'<h([1-6]) id="([^"]+)"[^>]*>(.*?)</h\1>', html, flags=re.S):
+        level, name = int(m.group(1)), re.sub(r'<a class="anchor-link".*?</a>', "", m.group(3), flags=re.S)
+        token = {"level": level, "id": htmllib.unescape(m.group(2)),
+                 "name": htmllib.unescape(re.sub(r"<[^>]+>", "", name)).strip(), "children": []}
+        while stack and stack[-1]["level"] >= level:
+            stack.pop()
+        (stack[-1]["children"] if stack else tokens).append(token)
+        stack.append(token)
+    return get_toc(tokens)
+
+
+def on_page_content(html, page, config, **kwargs):
+    """A notebook page: no stderr or progress-bar outputs, and a table of contents whose links land."""
+    if page.file.src_uri.endswith(".ipynb"):
+        html, _ = strip_notebook_noise(html)
+        page.toc = _heading_toc(html)
+    return html
 
 
 def _copy_tree(src: Path, dst: Path, **kwargs) -> None:
@@ -94,3 +183,4 @@ def on_post_build(config, **kwargs):
     (assets / "mathjax" / "config" / "local" / "minillm.js").write_text(MATHJAX_LOCAL_CONFIG)
     _copy_tree(_vendor_mermaid().installed_dir(), assets / "mermaid")
     (assets / "mermaid" / "minillm-init.js").write_text(MERMAID_INIT)
+    shutil.copyfile(Path(__file__).with_name("site.css"), assets / "minillm.css")
