@@ -18,6 +18,7 @@ import random
 
 from .outputs import CompletionOutput, Logprob
 from .sampling import SamplingParams
+from .sampling.sampler import logprob_lists
 from .spec_decode.metrics import SpecDecodeMetrics
 from .tokenizer import IncrementalDetokenizer
 from .tokenizer.detokenizer import known_ids
@@ -199,26 +200,30 @@ def make_sequences(prompt_ids: list[int], params: SamplingParams, tokenizer, eos
 
 def append_tokens(seqs: list[Sequence], out, tokenizer) -> None:
     """Append one sampled token to each sequence (row i of the Sampler's output to seqs[i]), with its
-    logprob entry when the request asked for logprobs: the chosen token and the top-k, decoded."""
-    ids = out.token_ids.tolist()
-    if out.logprobs is None:
-        for s, t in zip(seqs, ids):
-            s.append(t)
-        return
-    lps, ranks = out.logprobs.tolist(), out.ranks.tolist()
-    tops = (out.top_ids.tolist(), out.top_logprobs.tolist()) if out.top_ids is not None else None
+    logprob entry when the request asked for logprobs (chapter 03's one-request path)."""
+    ids, logprobs = logprob_lists(out, [s.params.logprobs for s in seqs])
+    text = token_text(tokenizer)
+    for s, t, lp in zip(seqs, ids, logprobs):
+        append_sampled(s, t, lp, text)
+
+
+def token_text(tokenizer):
+    """tid -> its text, for logprob entries; an id past the tokenizer (a padded embedding) has none."""
     known = known_ids(tokenizer)
+    return lambda tid: "" if known is not None and tid >= known else tokenizer.decode([tid])
 
-    def text(tid: int) -> str:  # an id past the tokenizer (a padded embedding) has no text
-        return "" if known is not None and tid >= known else tokenizer.decode([tid])
 
-    for row, (s, t) in enumerate(zip(seqs, ids)):
-        entry = {t: Logprob(lps[row], ranks[row], text(t))}
-        if tops is not None:
-            k = s.params.logprobs or 0
-            for rank, (tid, lp) in enumerate(zip(tops[0][row][:k], tops[1][row][:k]), start=1):
-                entry.setdefault(tid, Logprob(lp, rank, text(tid)))
-        s.append(t, lps[row], entry)
+def append_sampled(seq: Sequence, token: int, logprob, text) -> None:
+    """One sampled token; logprob: None, or (logprob, rank, top ids, top logprobs) as the worker reports
+    it (sampler.logprob_lists): the entry holds the chosen token and the top-k, decoded by text(tid)."""
+    if logprob is None:
+        seq.append(token)
+        return
+    lp, rank, top_ids, top_lps = logprob
+    entry = {token: Logprob(lp, rank, text(token))}
+    for r, (tid, tlp) in enumerate(zip(top_ids, top_lps), start=1):
+        entry.setdefault(tid, Logprob(tlp, r, text(tid)))
+    seq.append(token, lp, entry)
 
 
 def new_tokens(seq: Sequence, start: int, n: int) -> list[int]:

@@ -34,7 +34,7 @@ def engine_step_ms(batch: int, context: int, steps: int, overlap: bool) -> float
         llm = LLM(str(folder), device="cpu", dtype="float32", max_num_seqs=batch, async_scheduling=overlap,
                   num_gpu_blocks=batch * ((context + steps + 64) // 16 + 2), max_num_batched_tokens=batch * context)
     engine, vocab = llm.engine, llm.engine.model.config.vocab_size
-    engine.executor.execute_model = lambda step, prev=None: torch.randn(len(step.logits_indices), vocab)
+    engine.executor.worker.runner.execute = lambda step, prev=None: torch.randn(len(step.logits_indices), vocab)
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=steps + 20, ignore_eos=True)
     for i in range(batch):

@@ -53,14 +53,15 @@ def test_a_failing_sample_ends_only_its_own_request(seed, tok, monkeypatch):
     prompts = [[rng.randrange(97) for _ in range(rng.randrange(2, 12))] for _ in range(4)]
     params = [SamplingParams(max_tokens=6, temperature=0.8, seed=i) for i in range(4)]
     poison = SamplingParams(max_tokens=6, temperature=0.8, seed=666, logprobs=1)
-    real = engine._sample_batch
+    worker_sampler = engine.executor.worker.sampler
+    real = worker_sampler.sample_rows
 
-    def sample(seqs, logits):  # one request's sampling breaks, as a bug or a bad value would
-        if any(s.seed == 666 for s in seqs):
+    def sample(raw, masked, s, seqs):  # one request's sampling breaks, as a bug or a bad value would
+        if any(s.params[i].seed == 666 for i in seqs):
             raise FloatingPointError("poisoned row")
-        return real(seqs, logits)
+        return real(raw, masked, s, seqs)
 
-    monkeypatch.setattr(engine, "_sample_batch", sample)
+    monkeypatch.setattr(worker_sampler, "sample_rows", sample)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
         if i == 1:
@@ -187,7 +188,7 @@ def test_runner_gives_logits_at_any_rows(seed, tok):
     sched = engine.scheduler.schedule()
     rows = sorted(rng.sample(range(9), 4))
     step = prepare_model_input(sched.scheduled, engine.block_manager.block_tables, engine.config.block_size, rows)
-    got = engine.executor.execute_model(step)  # [4, vocab]
+    got = engine.executor.execute_model(step).logits  # [4, vocab]: the step asked for no sampling
     engine.abort_request("r")
     hidden = model(torch.tensor(prompt), torch.arange(9), AttentionMetadata.from_seq_lens([9]))
     torch.testing.assert_close(got, model.compute_logits(hidden)[rows], rtol=1e-4, atol=1e-4)
@@ -207,13 +208,14 @@ def test_nan_logits_never_become_a_token_on_the_greedy_fast_paths(seed, tok, mon
 
     def run(spec, poison: bool):
         engine = LLMEngine(model, tok, [], EngineConfig(block_size=4, num_gpu_blocks=64, speculative_config=spec))
-        real = engine.executor.execute_model
+        runner = engine.executor.worker.runner
+        real = runner.execute
 
-        def execute(*args):
+        def execute(*args):  # the forward pass's logits, before the worker samples them
             logits = real(*args)  # [rows, vocab]
             return logits.index_fill(1, torch.tensor([nan_col]), float("nan")) if poison else logits
 
-        monkeypatch.setattr(engine.executor, "execute_model", execute)
+        monkeypatch.setattr(runner, "execute", execute)
         if spec:  # drafts every step, and the NaN's own token at that: a verify must never accept it
             monkeypatch.setattr(engine.executor, "propose", lambda seqs, ks, tables: ([[nan_col] * k for k in ks], None))
         for i, p in enumerate(prompts):
@@ -230,7 +232,7 @@ def test_nan_logits_never_become_a_token_on_the_greedy_fast_paths(seed, tok, mon
 
 
 def test_greedy_tokens_flags_broken_rows():
-    from minillm.engine.llm_engine import greedy_tokens
+    from minillm.worker.sample_step import greedy_tokens
 
     nan, inf = float("nan"), float("inf")
     assert greedy_tokens(torch.tensor([[0.0, 3.0, 1.0], [inf, 0.0, 1.0]])) == [1, 0]

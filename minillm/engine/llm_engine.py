@@ -8,16 +8,17 @@
 One step is five stages, each a method below:
 
     schedule  Scheduler.schedule: who runs, how many tokens each, which blocks move
-    execute   the executor (chapter 13): block copies, then the step packed as a ModelInput and run by
-              the worker's ModelRunner, logits at the rows in logits_indices (the last token of each
-              sequence whose computed tokens reach its end)
+    execute   the executor (chapter 13): block copies, then the step packed as a ModelInput
+              (step_input.py) and run by the worker, which samples the rows in logits_indices (the
+              last token of each sequence whose computed tokens reach its end), each with its own
+              parameters and seed, and answers with tokens (worker/sample_step.py)
     advance   bookkeeping: computed tokens, full blocks named for the prefix cache, forks joined
-    sample    the Sampler: one token per sequence, each with its own parameters and seed; stop checks
+    append    the tokens appended to their sequences, stop checks
     outputs   finished sequences leave and free their blocks; RequestOutputs for the caller
 
 A request with n > 1 prefills its prompt once: its first sequence runs alone until the prompt is
 computed, then the other n - 1 fork its blocks (BlockManager.fork) and sample their first token
-from the same logits, each with its own seed. A request that can never fit (its prompt plus
+from the same row of logits, each with its own seed. A request that can never fit (its prompt plus
 max_tokens beyond the context or the whole block pool) is refused in add_request; everything else
 is served, under memory pressure by preemption. A step that fails (the model raises, or one
 request's sampling does) ends only the requests it concerns, with finish_reason "error", and the
@@ -26,8 +27,8 @@ engine goes on serving the others.
 Speculative decoding (chapter 09, EngineConfig.speculative_config): the scheduler reserves up to k
 extra tokens for each decoding sequence; after the block copies, the proposer fills them with draft
 tokens; the step computes the last token and the drafts together, with logits at all
-k + 1 rows; the rejection sampler keeps a prefix of the drafts plus one token, appended one by one with
-the stop checks; then the rollback sets num_computed_tokens to the accepted tokens
+k + 1 rows; the worker's rejection sampler keeps a prefix of the drafts plus one token, appended one by
+one with the stop checks; then the rollback sets num_computed_tokens to the accepted tokens
 (the rejected slots are overwritten later), gives back blocks past the sequence's end, and names the
 newly full, accepted blocks for the prefix cache. Requests whose next-token distribution depends on
 the tokens just accepted (penalties, logprobs, before min_tokens) get no drafts. Those steps live in
@@ -43,15 +44,12 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-import torch
-
 from ..checks import check_int
 from ..executor import Executor, UniprocExecutor
 from ..inputs import check_length, prompt_ids
 from ..outputs import RequestOutput
-from ..sampling import Sampler, SamplingMetadata, SamplingParams
-from ..sampling.rejection_sampler import RejectionSampler
-from ..sequence import Sequence, append_tokens, make_sequences
+from ..sampling import SamplingParams
+from ..sequence import Sequence, append_sampled, make_sequences, token_text
 from ..spec_decode import SpecDecodeMetrics
 from ..spec_decode.draft_model import load_draft_model
 from ..worker.model_input import ModelInput
@@ -62,7 +60,7 @@ from .prefix_cache import make_prefix_cache
 from .scheduler import Scheduler, SchedulerOutput
 from .spec_decode_steps import SpecDecodeSteps
 from .stats import EngineStats
-from .step_input import prepare_decode_input, prepare_model_input
+from .step_input import prepare_decode_input, prepare_model_input, sampling_input
 
 logger = logging.getLogger(__name__)
 
@@ -133,13 +131,11 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
                                           make_prefix_cache(config.enable_prefix_caching, config.block_size),
                                           self.engine_stats, track_changes=True)  # the worker keeps the tables
         self.scheduler = Scheduler(config, self.block_manager)
-        self.sampler = Sampler()
         self.has_proposer = spec is not None
         auto = self.sizes.device.type == "cuda"  # overlap pays where a GPU runs beside the host
         self.async_scheduling = auto if config.async_scheduling is None else config.async_scheduling
         self._host_sampled: set[str] = set()  # requests the overlapped step cannot sample (overlap_steps.py)
         if spec is not None:
-            self.rejection_sampler = RejectionSampler()
             self.scheduler.num_lookahead = self._num_lookahead
         self.groups: dict[str, SequenceGroup] = {}
         self._group_of: dict[int, SequenceGroup] = {}
@@ -248,15 +244,19 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         if sched.is_empty:
             return failed
         logits_indices, samplers = self._logits_rows(sched)
+        seqs, rows = self._sampling_order(sched, samplers)
+        step = self._prepare(sched, logits_indices)
+        step.sampling = sampling_input(seqs, rows) if seqs else None
         try:
-            logits = self.executor.execute_model(self._prepare(sched, logits_indices))
+            out = self.executor.execute_model(step)
         except Exception as e:  # the forward pass concerns every scheduled request
             return failed + self._fail({self._group_of[s.seq_id]: e for s, _ in sched.scheduled})
         self._advance(sched)
         if not samplers:  # only prompt chunks ran: their K/V are cached, nothing to sample yet
             return failed
-        seqs, logits = (samplers, logits) if sched.decode_only else self._join_forks(samplers, logits)
-        failed += self._fail(self._sample(seqs, logits))
+        if not sched.decode_only:
+            self._join_forks(samplers)
+        failed += self._fail(self._append_sampled(seqs, out))
         for seq in reserved:  # slots reserved for drafts that were not proposed, or not accepted
             if not seq.finished:
                 self.block_manager.trim(seq.seq_id, seq.num_tokens)
@@ -300,79 +300,56 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
             if name_blocks and before // bs != seq.num_computed_tokens // bs and not seq.spec_token_ids:
                 self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
-    def _join_forks(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
-        """A request with n > 1 whose prompt just finished: its n - 1 forks take its blocks and sample
-        their first token from its logits row. (A sequence with drafts has 1 + k rows, and no forks.)"""
-        out, take, row = [], [], 0
-        for seq in seqs:
+    def _sampling_order(self, sched: SchedulerOutput, samplers: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """The sequences that sample this step, in the order of the worker's answer, and each one's first
+        logits row: a request with n > 1 whose prompt just finished has its n - 1 forks sample their first
+        token from its row, each with its own seed. (A sequence with drafts has 1 + k rows, and no forks.)"""
+        if sched.decode_only:  # no prompt ended this step: no forks
+            return samplers, list(range(len(samplers)))
+        seqs, rows, row = [], [], 0
+        for seq in samplers:
+            group = self._group_of[seq.seq_id]
+            if group.pending_forks and seq is group.seqs[0]:
+                seqs += group.pending_forks
+                rows += [row] * len(group.pending_forks)
+            seqs.append(seq)
+            rows.append(row)
+            row += 1 + len(seq.spec_token_ids)
+        return seqs, rows
+
+    def _join_forks(self, samplers: list[Sequence]) -> None:
+        """The forks of a prompt that just finished take its blocks and run beside it from now on."""
+        for seq in samplers:
             group = self._group_of[seq.seq_id]
             if group.pending_forks and seq is group.seqs[0]:
                 for child in group.pending_forks:
                     self.block_manager.fork(seq.seq_id, child.seq_id)
                     child.num_computed_tokens = seq.num_computed_tokens
                     self.scheduler.add_running(child, like=seq)
-                    out.append(child)
-                    take.append(row)
                 group.pending_forks = []
-            out.append(seq)
-            take += range(row, row + 1 + len(seq.spec_token_ids))
-            row += 1 + len(seq.spec_token_ids)
-        if len(take) != logits.shape[0]:
-            logits = logits[torch.tensor(take, device=logits.device)]  # [len(out), vocab]
-        return out, logits
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[SequenceGroup, Exception]:
-        """One token per sequence, appended (stop checks included); -> the requests whose sampling failed.
-        When the batch fails, its sequences are sampled one at a time (per-sequence seeds give the same
-        tokens whatever the batch), so only the request at fault fails."""
-        try:
-            self._sample_batch(seqs, logits)
-            return {}
-        except Exception:
-            pass
-        failed, row = {}, 0
-        for seq in seqs:
-            group, rows = self._group_of[seq.seq_id], 1 + len(seq.spec_token_ids)
-            row += rows
-            if group in failed or seq.num_tokens > seq.num_computed_tokens:  # failed, or got its token already
+    def _append_sampled(self, seqs: list[Sequence], out) -> dict[SequenceGroup, Exception]:
+        """The worker's tokens appended, stop checks included (a verify's through _append_verified);
+        -> the requests whose sampling or appending failed (the others go on)."""
+        failed = {self._group_of[seqs[i].seq_id]: e for i, e in out.errors.items()}
+        logprobs, text = out.logprobs, None
+        for i, (seq, tokens) in enumerate(zip(seqs, out.sampled_token_ids)):
+            if not tokens:  # its sampling failed (out.errors)
                 continue
             try:
-                self._sample_batch([seq], logits[row - rows : row])
+                if seq.spec_token_ids:
+                    self._append_verified(seq, tokens)
+                    continue
+                lp = logprobs[i] if logprobs is not None else None
+                if lp is None:
+                    seq.append(tokens[0])
+                else:
+                    text = text or token_text(self.tokenizer)
+                    append_sampled(seq, tokens[0], lp, text)
+                self.engine_stats.num_generation_tokens += 1
             except Exception as e:
-                failed[group] = e
+                failed[self._group_of[seq.seq_id]] = e
         return failed
-
-    def _sample_batch(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Plain sequences (one row each) through the Sampler, those with drafts through _verify."""
-        if not any(s.spec_token_ids for s in seqs):
-            return self._sample_plain(seqs, logits)
-        if all(_plain_greedy(s.params) for s in seqs) and not any(s.banned_tokens() for s in seqs):
-            tokens = greedy_tokens(logits)  # one sync, no metadata
-            if tokens is not None:
-                return self._verify_greedy(seqs, tokens)
-        starts = [0]
-        for s in seqs:
-            starts.append(starts[-1] + 1 + len(s.spec_token_ids))
-        plain = [i for i, s in enumerate(seqs) if not s.spec_token_ids]
-        spec = [i for i, s in enumerate(seqs) if s.spec_token_ids]
-        if plain:
-            self._sample_plain([seqs[i] for i in plain], logits[torch.tensor([starts[i] for i in plain], device=logits.device)])
-        rows = torch.tensor([r for i in spec for r in range(starts[i], starts[i + 1])], device=logits.device)
-        self._verify([seqs[i] for i in spec], logits[rows])
-
-    def _sample_plain(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        tokens = None
-        if all(_plain_greedy(s.params) and not s.banned_tokens() for s in seqs):  # the common case, no setup
-            tokens = greedy_tokens(logits)
-        if tokens is not None:
-            for s, t in zip(seqs, tokens):
-                s.append(t)
-        else:
-            params, banned = [s.params for s in seqs], [s.banned_tokens() for s in seqs]
-            meta = SamplingMetadata.build(params, [s.prompt_ids for s in seqs], [s.output_ids for s in seqs],
-                                          [s.seed for s in seqs], banned, logits.shape[1], logits.device)
-            append_tokens(seqs, self.sampler(logits, meta), self.tokenizer)
-        self.engine_stats.num_generation_tokens += len(seqs)
 
     def _outputs(self, seqs: list[Sequence], unfinished_outputs: bool) -> list[RequestOutput]:
         """Finished sequences leave the scheduler; one RequestOutput per request that got tokens."""
@@ -492,16 +469,3 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
     def proposer(self):
         return self.executor.proposer if self.has_proposer else None
 
-
-def greedy_tokens(logits: torch.Tensor) -> list[int] | None:
-    """[R, V] -> each row's argmax, copied to the host once; None when some row is broken (a NaN, which
-    argmax would pick, or nothing above -inf, where it would pick token 0): the Sampler's guard decides
-    those (chapter 02), so the fast path never emits a token the slow path would not."""
-    best, tokens = logits.max(dim=-1)  # [R], [R]: one pass gives both
-    tokens = torch.where(best > float("-inf"), tokens, -1).tolist()  # NaN > -inf is False: -1 marks both
-    return None if -1 in tokens else tokens
-
-
-def _plain_greedy(p: SamplingParams) -> bool:
-    return (p.temperature == 0 and p.logprobs is None and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty)

@@ -13,7 +13,8 @@ scheduling) the engine runs, in one `step()` call:
     1. schedule and prepare step N+1, counting each sequence's token of step N as *pending*
        (Sequence.num_pending: it is in num_tokens, its id reads as -1 on the host)
     2. launch N+1: the worker fills the pending rows from step N's sampled tokens on the GPU
-    3. sample N+1 on the GPU without waiting (device_sampler.py), start copying its tokens to the host
+    3. the worker samples N+1 on the GPU without waiting (device_sampler.py) and starts copying its
+       tokens to the host; they stay on the device for step N+2 (Worker.last_sampled)
     4. only now wait for step N's tokens, and do N's bookkeeping while the GPU runs N+1
 
 so the step's outputs come one call late, and a sequence that stops at step N (EOS, a stop string)
@@ -31,11 +32,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..outputs import RequestOutput
-from ..sampling.device_sampler import SampledTokens, device_samplable, sample_on_device
+from ..sampling.device_sampler import SampledTokens, device_samplable
 from ..sequence import Sequence
+from .step_input import sampling_input
 
 
 @dataclass
@@ -55,7 +55,6 @@ class OverlapSteps:
     """A mixin of LLMEngine: the overlapped step and the processing of the step in flight."""
 
     _inflight: InflightStep | None = None
-    _pinned: list[torch.Tensor] | None = None  # two pinned host buffers for sampled tokens (_sample_device)
 
     def _can_overlap(self) -> bool:
         return self.async_scheduling and not self.has_proposer and not self._host_sampled
@@ -69,17 +68,14 @@ class OverlapSteps:
         logits_indices, samplers = self._logits_rows(sched)
         try:
             step = self._prepare(sched, logits_indices)
-            logits = self.executor.execute_model(step, prev.sampled.next_input if prev is not None else None)
+            seqs, rows = self._sampling_order(sched, samplers)
+            # sampled on the device, each row's RNG counter counting its pending tokens too
+            step.sampling = sampling_input(seqs, rows, on_device=True) if seqs else None
+            out = self.executor.execute_model(step)
             filled = self._count_computed(sched)
-            if not samplers:
-                seqs, logits = [], None
-            elif sched.decode_only:  # no prompt ended this step: no forks to join
-                seqs = samplers
-            else:
-                seqs, logits = self._join_forks(samplers, logits)
-            inflight = None
-            if seqs:
-                inflight = InflightStep(seqs, self._sample_device(seqs, logits), filled, unfinished_outputs)
+            if samplers and not sched.decode_only:
+                self._join_forks(samplers)
+            inflight = InflightStep(seqs, out.pending, filled, unfinished_outputs) if seqs else None
         except Exception as e:  # the forward pass (or its sampling) concerns every scheduled request
             failed = self._fail({self._group_of[s.seq_id]: e for s, _ in sched.scheduled if s.seq_id in self._group_of})
             return self._drain() + failed
@@ -95,20 +91,6 @@ class OverlapSteps:
         outputs = self._process(prev) if prev is not None else []
         self._inflight = inflight
         return outputs
-
-    def _sample_device(self, seqs: list[Sequence], logits) -> SampledTokens:
-        """Queue the step's sampling on the GPU; each row's RNG counter counts its pending tokens too.
-        Two pinned buffers take turns receiving the tokens: the one written now held the tokens of two
-        steps ago, read by the time this step was launched."""
-        buffer = None
-        if logits.device.type == "cuda":
-            if self._pinned is None or self._pinned[0].numel() < len(seqs):
-                self._pinned = [torch.empty(max(len(seqs), self.config.max_num_seqs), dtype=torch.int64,
-                                            pin_memory=True) for _ in range(2)]
-            self._pinned.reverse()
-            buffer = self._pinned[0]
-        return sample_on_device(logits, [s.params for s in seqs], [s.seed for s in seqs],
-                                [len(s.output_ids) + s.num_pending for s in seqs], buffer)
 
     def _count_computed(self, sched) -> list[tuple[Sequence, int, int]]:
         """_advance's counting, without naming blocks (their tokens may still be on the GPU)."""

@@ -7,20 +7,18 @@ speculative_config, three pieces join it, all here:
                 (`_num_lookahead`: k, or 0 above disable_by_batch_size, near max_tokens or the context's
                 end, and for requests whose distribution depends on the tokens just accepted);
     propose     after the step's block copies, the proposer fills the reserved slots (`_propose`);
-    verify      the sampled rows of a sequence with drafts go through the rejection sampler, or, when the
-                whole batch is greedy, through the same rule on the host (`_verify_greedy`); the emitted
-                tokens are appended one by one and the rest rolled back (`_append_verified`, `_rollback`).
+    verify      the worker verifies the rows of a sequence with drafts (worker/sample_step.py: the
+                rejection sampler, or its greedy rule on the host when the whole batch is greedy); the
+                emitted tokens are appended one by one and the rest rolled back (`_append_verified`,
+                `_rollback`).
 
-A mixin of LLMEngine: it reads the engine's spec_config, executor, rejection_sampler, block_manager,
-engine_stats and request bookkeeping.
+A mixin of LLMEngine: it reads the engine's spec_config, executor, block_manager, engine_stats and
+request bookkeeping.
 """
 
 from __future__ import annotations
 
-import torch
-
 from ..outputs import RequestOutput
-from ..sampling.rejection_sampler import draft_rows_of, emit, spec_metadata
 from ..sequence import Sequence
 from .scheduler import SchedulerOutput
 
@@ -61,45 +59,19 @@ class SpecDecodeSteps:
             sched.scheduled[i] = (seq, 1 + len(draft))
         return [], seqs
 
-    def _verify(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Sequences with drafts: logits [sum(k + 1), vocab] -> accept, append, roll back."""
-        num_draft = [len(s.spec_token_ids) for s in seqs]
-        probs = [s.spec_probs for s in seqs]
-        draft_probs = torch.cat(probs) if all(p is not None for p in probs) else None  # [D, V]
-        meta = spec_metadata([s.params for s in seqs], [s.seed for s in seqs], [len(s.output_ids) for s in seqs],
-                             num_draft, logits.shape[1], logits.device)
-        emitted = self.rejection_sampler(logits, num_draft, [t for s in seqs for t in s.spec_token_ids],
-                                         draft_probs, meta)
-        self._append_verified(seqs, emitted)
-
-    def _verify_greedy(self, seqs: list[Sequence], argmax: list[int]) -> None:
-        """Every sequence greedy (the common case): the rejection sampler's greedy rule on the host, from
-        the argmax of every row, [sum(k + 1)]. On a GPU this saves the per-row sampling metadata, a
-        dozen small copies to the device and two waits for it, about as long as a decode step of a
-        small model."""
-        num_draft = [len(s.spec_token_ids) for s in seqs]
-        drafts = [t for s in seqs for t in s.spec_token_ids]
-        accepted = [d == argmax[r] for d, r in zip(drafts, draft_rows_of(num_draft))]  # the greedy rule
-        emitted = emit(num_draft, drafts, accepted, argmax)
-        self._append_verified(seqs, emitted)
-
-    def _append_verified(self, seqs: list[Sequence], emitted: list[list[int]]) -> None:
-        """Each sequence's emitted tokens appended one by one, its metrics recorded, its drafts rolled back."""
-        for seq, tokens in zip(seqs, emitted):
-            k = len(seq.spec_token_ids)
-            if not k:  # no drafts this step (batched beside sequences with some): plain decoding's one token
-                seq.append(tokens[0])
-                self.engine_stats.num_generation_tokens += 1
-                continue
-            seq.spec.record(k, len(tokens) - 1)
-            self.engine_stats.spec.record(k, len(tokens) - 1)
-            self._back_off(seq, k, len(tokens) - 1)
-            for t in tokens:  # one by one: EOS, a stop string or max_tokens may end it inside the run
-                seq.append(t)
-                self.engine_stats.num_generation_tokens += 1
-                if seq.finished:
-                    break
-            self._rollback(seq, len(tokens) - 1)
+    def _append_verified(self, seq: Sequence, tokens: list[int]) -> None:
+        """A verify's emitted tokens (the worker's rejection sampler: accepted drafts, then one more)
+        appended one by one, its metrics recorded, its drafts rolled back."""
+        k = len(seq.spec_token_ids)
+        seq.spec.record(k, len(tokens) - 1)
+        self.engine_stats.spec.record(k, len(tokens) - 1)
+        self._back_off(seq, k, len(tokens) - 1)
+        for t in tokens:  # one by one: EOS, a stop string or max_tokens may end it inside the run
+            seq.append(t)
+            self.engine_stats.num_generation_tokens += 1
+            if seq.finished:
+                break
+        self._rollback(seq, len(tokens) - 1)
 
     def _back_off(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """min_acceptance_rate: a sequence whose running acceptance rate falls below it pauses drafting,

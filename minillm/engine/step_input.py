@@ -10,7 +10,7 @@ which is what lets it live in another process (chapter 11) or be replaced by a f
 from __future__ import annotations
 
 from ..sequence import Sequence, new_tokens
-from ..worker.model_input import ModelInput, pack
+from ..worker.model_input import ModelInput, SamplingInput, pack
 
 
 def prepare_model_input(scheduled: list[tuple[Sequence, int]], block_tables: dict[int, list[int]],
@@ -55,3 +55,17 @@ def prepare_decode_input(seqs: list[Sequence], block_tables: dict[int, list[int]
     step.prev_token_dst = [i for i, s in enumerate(seqs) if s.num_pending]
     step.prev_token_src = [seqs[i].pending_row for i in step.prev_token_dst]
     return step
+
+
+def sampling_input(seqs: list[Sequence], rows: list[int], on_device: bool = False) -> SamplingInput:
+    """How the worker samples this step (worker/sample_step.py): seqs in the order of the answer, each
+    with its first logits row (rows). A sequence with drafts verifies them on its next k rows."""
+    params = [s.params for s in seqs]
+    penalties = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params)
+    drafting = [s for s in seqs if s.spec_token_ids]
+    probs = [s.spec_probs for s in drafting]
+    return SamplingInput(
+        rows, [len(s.spec_token_ids) for s in seqs], [t for s in drafting for t in s.spec_token_ids], params,
+        [s.seed for s in seqs], [len(s.output_ids) + s.num_pending for s in seqs], [s.banned_tokens() for s in seqs],
+        [s.prompt_ids for s in seqs] if penalties else None, [s.output_ids for s in seqs] if penalties else None,
+        probs if probs and all(p is not None for p in probs) else None, on_device)

@@ -2,7 +2,7 @@
 
 `LLMEngine.step` is schedule -> execute -> advance -> sample -> outputs. Only *execute* touches the
 model, and it goes through an executor: an object with a few calls, each taking and returning plain
-data (numbers, lists, a ModelInput) or the step's logits, so the engine never holds the model, the
+data (numbers, lists, a ModelInput, the sampled tokens), so the engine never holds the model, the
 KV cache, the runner or the CUDA graphs itself. Behind the seam, vLLM's two shapes:
 
     UniprocExecutor     one Worker in this process; a call is a method call (this chapter)
@@ -15,7 +15,7 @@ The calls, in the order an engine makes them:
     initialize_cache(gpu, cpu)          allocate the pools, capture the decode graphs, build the proposer
     swap_and_copy(out, in, copies)      the scheduler's block moves for this step
     propose(seqs, num_spec, changes)    chapter 09's drafts (the block tables' changes first)
-    execute_model(model_input, prev)    -> logits [rows, vocab] (prev: last step's tokens, on the GPU)
+    execute_model(model_input)          -> ModelRunnerOutput: the step's tokens, sampled by the worker
     capture_token_buckets()             every prefill graph now (warm-up)
     shutdown()                          give the memory back
 """
@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ..worker.model_input import ModelInput
+from ..worker.model_input import ModelInput, ModelRunnerOutput
 
 
 class Executor(ABC):
@@ -39,9 +39,10 @@ class Executor(ABC):
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, progress: bool = True) -> None: ...
 
     @abstractmethod
-    def execute_model(self, model_input: ModelInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """-> logits [rows, vocab]; prev_tokens: the previous step's sampled tokens, on the device, for the
-        rows model_input.prev_token_dst names (overlap scheduling)."""
+    def execute_model(self, model_input: ModelInput) -> ModelRunnerOutput:
+        """Run and sample the step -> its tokens (logits only when model_input.sampling is None). The
+        rows model_input.prev_token_dst names take the tokens the worker sampled last, on the device
+        (overlap scheduling)."""
 
     @abstractmethod
     def swap_and_copy(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],

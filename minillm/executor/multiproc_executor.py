@@ -11,7 +11,7 @@ so the all-reduces inside the forward pass meet in the same order on every rank.
 than the message: determine_num_blocks takes the minimum over the ranks (each rank's pool holds its
 own KV heads, and the engine's block numbers must be valid on all of them), and execute_model sends
 the tokens rank 0 sampled last step (overlap scheduling keeps them on rank 0's GPU) by a device
-broadcast. Only rank 0 receives logits and samples.
+broadcast. Only rank 0 receives logits and samples; it returns the tokens.
 
 A worker that dies is seen before the next call (its process has exited) or inside a collective
 (gloo reports the closed connection; NCCL times out): the call raises a RuntimeError naming the
@@ -41,7 +41,7 @@ from ..distributed import (
     model_parallel_is_initialized,
 )
 from ..layers.quantization import get_quantization_config
-from ..worker.model_input import ModelInput
+from ..worker.model_input import ModelInput, ModelRunnerOutput
 from ..worker.worker import Worker
 from ..worker.worker_proc import serve_rank
 from .abstract import Executor
@@ -175,15 +175,16 @@ class MultiprocExecutor(Executor):
                    local=lambda: self.worker.initialize_cache(num_gpu_blocks, num_cpu_blocks, progress))
         self.sizes = self.worker.sizes
 
-    def execute_model(self, model_input: ModelInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def execute_model(self, model_input: ModelInput) -> ModelRunnerOutput:
+        prev_tokens = self.worker.last_sampled  # rank 0 sampled them: the other ranks get a copy
         if model_input.prev_token_dst and prev_tokens is None:  # checked before any rank starts the step
             raise ValueError("this step takes tokens sampled by the previous one, but none were given")
         num_prev = prev_tokens.numel() if model_input.prev_token_dst else 0
 
-        def run() -> torch.Tensor:
+        def run() -> ModelRunnerOutput:
             if num_prev:  # [num_prev] to every rank, in order with the step (the same device stream)
                 self.group.broadcast(prev_tokens.to(torch.long).contiguous())
-            return self.worker.execute_model(model_input, prev_tokens)
+            return self.worker.execute_model(model_input)
 
         return self._call("execute_model", model_input, num_prev, local=run)
 

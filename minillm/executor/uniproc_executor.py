@@ -6,10 +6,8 @@ the seam existed. It also builds chapter 09's proposer, which drafts with the wo
 
 from __future__ import annotations
 
-import torch
-
 from ..spec_decode import make_proposer
-from ..worker.model_input import ModelInput
+from ..worker.model_input import ModelInput, ModelRunnerOutput
 from ..worker.worker import Worker
 from .abstract import Executor
 
@@ -32,8 +30,8 @@ class UniprocExecutor(Executor):
             proposer = make_proposer(spec, worker.model, worker.runner, worker.sizes, self.draft_model)
             worker.attach_proposer(proposer, progress)
 
-    def execute_model(self, model_input: ModelInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        return self.worker.execute_model(model_input, prev_tokens)
+    def execute_model(self, model_input: ModelInput) -> ModelRunnerOutput:
+        return self.worker.execute_model(model_input)
 
     def swap_and_copy(self, swap_out, swap_in, copies) -> None:
         self.worker.swap_and_copy(swap_out, swap_in, copies)

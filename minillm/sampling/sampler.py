@@ -91,12 +91,14 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """logits: [B, V] float32 -> one token per row."""
-        raw = logits
-        logits = apply_penalties(logits, meta)
-        if meta.banned is not None:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, raw: torch.Tensor | None = None) -> SamplerOutput:
+        """logits: [B, V] float32 -> one token per row. raw: the model's logits before the step's token
+        masks (token_mask.py), for the log-probabilities (default: logits)."""
+        raw = logits if raw is None else raw
+        if meta.banned is not None:  # a caller that did not mask already (chapter 03's one request)
             logits = logits.masked_fill(meta.banned, float("-inf"))
+        allowed = logits
+        logits = apply_penalties(logits, meta)
         greedy = meta.temperature == 0
         token_ids = logits.argmax(dim=-1)
         # a row is broken when its scores hold a NaN (argmax would pick it) or nothing above -inf (argmax
@@ -109,7 +111,7 @@ class Sampler:
             # logits / temperature or a penalty may overflow float32 (+inf -> NaN after the softmax)
             broken |= ~greedy & (probs.isnan().any(dim=-1) | ~(probs.sum(dim=-1) > 0))
         if bool(broken.any()):
-            token_ids = torch.where(broken, _fallback_tokens(raw, logits, meta, broken), token_ids)
+            token_ids = torch.where(broken, _fallback_tokens(allowed, logits, meta, broken), token_ids)
         return self._logprobs(raw, token_ids, meta.num_logprobs)
 
     @staticmethod
@@ -123,7 +125,24 @@ class Sampler:
         return SamplerOutput(token_ids, chosen[:, 0], ranks, top and top.indices, top and top.values)
 
 
-def _fallback_tokens(raw: torch.Tensor, logits: torch.Tensor, meta: SamplingMetadata,
+def logprob_lists(out: SamplerOutput, num_logprobs: list[int | None]) -> tuple[list[int], list]:
+    """SamplerOutput -> (token ids, per row None or (logprob, rank, top ids, top logprobs)): plain data
+    for the engine, which decodes the texts (each row keeps its own request's top-k)."""
+    ids = out.token_ids.tolist()
+    if out.logprobs is None:
+        return ids, [None] * len(ids)
+    lps, ranks = out.logprobs.tolist(), out.ranks.tolist()
+    tops = (out.top_ids.tolist(), out.top_logprobs.tolist()) if out.top_ids is not None else None
+    rows = []
+    for r, k in enumerate(num_logprobs):
+        if k is None:
+            rows.append(None)
+        else:
+            rows.append((lps[r], ranks[r], tops[0][r][:k] if tops else [], tops[1][r][:k] if tops else []))
+    return ids, rows
+
+
+def _fallback_tokens(allowed: torch.Tensor, logits: torch.Tensor, meta: SamplingMetadata,
                      broken: torch.Tensor) -> torch.Tensor:
     """[B] the token of each broken row: never a NaN's position, never a silent token 0.
 
@@ -136,9 +155,8 @@ def _fallback_tokens(raw: torch.Tensor, logits: torch.Tensor, meta: SamplingMeta
     """
     neg_inf = float("-inf")
     scores = logits.nan_to_num(nan=neg_inf, posinf=torch.finfo(logits.dtype).max, neginf=neg_inf)  # [B, V]
-    plain = raw.nan_to_num(nan=neg_inf, posinf=torch.finfo(raw.dtype).max, neginf=neg_inf)  # [B, V]
-    if meta.banned is not None:
-        plain = plain.masked_fill(meta.banned, neg_inf)
+    # the model's logits with the step's masks (banned tokens -inf), before penalties
+    plain = allowed.nan_to_num(nan=neg_inf, posinf=torch.finfo(allowed.dtype).max, neginf=neg_inf)  # [B, V]
     scores = torch.where((scores.amax(dim=-1) == neg_inf)[:, None], plain, scores)
     empty = broken & (scores.amax(dim=-1) == neg_inf)
     if bool(empty.any()):

@@ -10,7 +10,9 @@ cache's addresses (chapter 05), for the sequences scheduled with n new tokens ea
     seq_lens              [B]        keys per sequence after this step (cached + new)
     block_table           [B, W]     each sequence's blocks, padded with 0 to the widest
     query_lens            [B]        the n's
-    logits_indices        [R]        the token rows whose logits the step returns
+    logits_indices        [R]        the token rows whose logits the step computes
+    sampling                         how the worker samples those rows (SamplingInput); the step
+                                     returns a ModelRunnerOutput: tokens, not logits
     prev_token_dst/src               (chapter 13) rows whose token the GPU sampled last step, and
                                      which row of that step's sampled tokens each takes
     seq_ids, table_updates,          (chapter 13) instead of block_table: the sequences in order, and
@@ -25,6 +27,36 @@ in processes of its own (chapter 11), each receiving the same message.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SamplingInput:
+    """Which rows of the step's logits the worker samples, and how (sample_step.py): S sequences, each
+    with 1 + k rows (k draft tokens to verify, chapter 09), in the order of the answer."""
+
+    rows: list[int]  # [S] the sequence's first row of logits_indices (a prompt's n > 1 forks share it)
+    num_draft: list[int]  # [S] k: draft tokens verified after that row (0: one plain token)
+    draft_token_ids: list[int]  # [sum k] the drafts, sequence by sequence
+    params: list[Any]  # [S] SamplingParams
+    seeds: list[int]  # [S]
+    steps: list[int]  # [S] the output position of the sequence's next token: its RNG counter
+    banned: list[list[int]]  # [S] tokens that may not be sampled now (masked: token_mask.py)
+    prompt_ids: list[list[int]] | None = None  # [S] only when some sequence has a penalty
+    output_ids: list[list[int]] | None = None  # [S] likewise
+    draft_probs: Any = None  # per drafting sequence [k, V]: q of a model proposer (None: one-hot)
+    on_device: bool = False  # overlap scheduling (chapter 13): tokens stay on the device
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What a step returns to the engine (vLLM V1's name): tokens and plain numbers, not logits."""
+
+    sampled_token_ids: list[list[int]]  # [S] each sequence's new tokens (1, or up to k + 1 after a verify)
+    logprobs: list | None = None  # [S] None or (logprob, rank, top ids, top logprobs) of its token
+    errors: dict[int, Exception] = field(default_factory=dict)  # sequence -> why it got no token
+    pending: Any = None  # SampledTokens on their way to the host (on_device steps)
+    logits: Any = None  # [rows, V] when the step asked for no sampling (tests, labs, chapter 09's bench)
 
 
 @dataclass
@@ -45,6 +77,8 @@ class ModelInput:
     seq_ids: list[int] = field(default_factory=list)
     table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)
     dropped_tables: list[int] = field(default_factory=list)
+    # the worker samples (sample_step.py); None: the step returns its logits instead
+    sampling: SamplingInput | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,7 @@ The engine (minillm/engine/) decides what runs; a worker runs it. A worker owns
     the model          its weights (chapter 11: only this rank's shard)
     the KV cache       the paged pool of every attention layer (chapter 05), sized by the engine
     the ModelRunner    a step's ModelInput -> tensors -> forward pass -> logits
+    the StepSampler    logits -> tokens (sample_step.py): the engine gets tokens, never logits
     the CUDA graphs    captured once per batch size and token bucket (chapter 07)
     the proposer       chapter 09's drafter, whose forward passes run on this model and cache
 
@@ -21,8 +22,9 @@ import dataclasses
 import torch
 
 from ..cache.paged import PagedKVCache
-from .model_input import ModelInput
+from .model_input import ModelInput, ModelRunnerOutput
 from .model_runner import ModelRunner
+from .sample_step import StepSampler
 
 
 class Worker:
@@ -32,6 +34,8 @@ class Worker:
         self.cache: PagedKVCache | None = None
         self.runner: ModelRunner | None = None
         self.proposer = None
+        self.sampler = StepSampler(config.max_num_seqs)
+        self.last_sampled: torch.Tensor | None = None  # [R] the last on-device step's tokens (overlap)
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """(GPU blocks, CPU blocks) this worker's memory holds (the engine takes the minimum over workers)."""
@@ -55,10 +59,22 @@ class Worker:
             with torch.inference_mode():
                 proposer.graphs.capture_decode(progress)  # the one-token draft passes
 
-    def execute_model(self, step: ModelInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """-> logits [len(step.logits_indices), vocab] fp32 (prev_tokens: the last step's sampled tokens,
-        on the device, when the step takes some of them: overlap scheduling)."""
-        return self.runner.execute(step, prev_tokens)
+    def execute_model(self, step: ModelInput, prev_tokens: torch.Tensor | None = None,
+                      sample: bool = True) -> ModelRunnerOutput | None:
+        """Run the step and sample it: -> its tokens (ModelRunnerOutput); its logits
+        [len(step.logits_indices), vocab] fp32 in .logits when step.sampling is None. The rows the step
+        takes from the previous one's tokens (overlap scheduling) read the tokens this worker sampled
+        last, on the device (prev_tokens: a tensor-parallel rank's copy of rank 0's). sample=False:
+        a rank that only takes part in the forward pass (chapter 11)."""
+        logits = self.runner.execute(step, self.last_sampled if prev_tokens is None else prev_tokens)
+        if not sample:
+            return None
+        if step.sampling is None:
+            return ModelRunnerOutput([], logits=logits)
+        out = self.sampler(logits, step.sampling)
+        if out.pending is not None:
+            self.last_sampled = out.pending.next_input
+        return out
 
     def swap_and_copy(self, swap_out, swap_in, copies) -> None:
         """Block moves the scheduler asked for, before the step's forward pass writes anything; a

@@ -66,7 +66,7 @@ def run_worker_loop(worker: Worker, group: GroupCoordinator) -> None:
             prev = None
             if num_prev:  # overlap scheduling: the tokens rank 0 sampled last step, still on its GPU
                 prev = group.broadcast(torch.empty(num_prev, dtype=torch.long, device=group.device))  # [num_prev]
-            worker.execute_model(step, prev)  # logits stay on rank 0: None here
+            worker.execute_model(step, prev, sample=False)  # rank 0 samples
         elif method == "determine_num_blocks":
             group.all_reduce_min(list(worker.determine_num_blocks()))
         elif method == "initialize_cache":
