@@ -417,6 +417,7 @@ def run_engine(model, tok, requests, config: EngineConfig) -> list[list[int]]:
     return [got[f"r{i}"] for i in range(len(requests))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
 def test_engine_batched_equals_alone_with_a_quantized_cache(seed, tok, kv_cache_dtype):
     rng = random.Random(seed)
@@ -438,6 +439,7 @@ def test_engine_batched_equals_alone_with_a_quantized_cache(seed, tok, kv_cache_
     assert layer.kv_scale_qmax == QMAX[QMAX_DTYPE[kv_cache_dtype]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
 def test_padded_steps_through_the_triton_kernels_with_a_quantized_cache(seed, tok, kv_cache_dtype):
     """The CUDA-graph path's padded steps through minillm's Triton kernels (the interpreter on a CPU,
