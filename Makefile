@@ -2,6 +2,7 @@
 #
 #   make run     answer a prompt with the embedded SmolLM2-135M-Instruct (PROMPT="..." to change it)
 #   make test    everything CI runs: unit and oracle tests, notebooks, lab bite, hygiene, site
+#   make test-fast  the contributor's loop: the unit tests not marked slow or gpu (minutes, not half an hour)
 #
 # Both create .venv and install what they need into it. Other targets: labs, docs, serve-docs, lint, mermaid.
 
@@ -17,7 +18,7 @@ export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: run test test-py test-notebooks test-labs test-hygiene lint docs serve-docs labs outputs-status chromium mermaid clean
+.PHONY: run test test-fast test-py test-notebooks test-labs test-hygiene lint docs serve-docs labs outputs-status chromium mermaid clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +44,11 @@ test: $(VENV)/.dev chromium test-py test-notebooks test-hygiene lint docs
 
 test-py: $(VENV)/.dev mermaid
 	$(BIN)/pytest tests/ -n 2 -q --durations=25
+
+# The loop a contributor runs between edits: every test not marked slow (more than ~5 s on a 2-core CI
+# machine: the embedded model's oracles, engine-level runs, subprocesses) or gpu. CI runs `make test`.
+test-fast: $(VENV)/.dev mermaid
+	$(BIN)/pytest tests/ -n 2 -q -m "not slow and not gpu" --durations=15
 
 test-notebooks: $(VENV)/.dev
 	TRITON_INTERPRET=1 $(BIN)/pytest --nbval-lax --nbval-current-env -p no:cacheprovider \

@@ -142,6 +142,7 @@ def llm():
     return LLM(device="cpu")
 
 
+@pytest.mark.slow
 def test_llm_chat_cannot_be_given_a_forged_system_turn(llm, tok):
     from minillm import SamplingParams
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from minillm.cli import main
 
 
@@ -37,6 +39,7 @@ def test_labs_build(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.glob("*.ipynb")) == sorted(p.name for p in src.glob("[0-9]*.ipynb"))
 
 
+@pytest.mark.slow
 def test_generate_answers(capsys):
     assert main(["generate", "What is the capital of France?", "--max-tokens", "16", "--device", "cpu"]) == 0
     captured = capsys.readouterr()
@@ -48,6 +51,7 @@ def test_generate_rejects_bad_sampling(capsys):
     assert "temperature must be >= 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_chat_reads_turns_until_eof(monkeypatch, capsys):
     import io
 
@@ -111,6 +115,7 @@ def _wait_for_prompt(p):
     assert p.stdout.read(5) == b"you> "
 
 
+@pytest.mark.slow
 def test_chat_eof_and_invalid_utf8_end_cleanly():
     """A line of invalid UTF-8 is skipped with a note, the next line is answered, EOF ends with 0."""
     p = _chat_process("--max-tokens", "3")

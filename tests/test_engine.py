@@ -69,6 +69,7 @@ def random_engine_config(rng: random.Random, requests, case: int, **overrides) -
                         **overrides)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(6))
 def test_engine_matches_one_request_at_a_time(seed, tok, case):
     rng = random.Random(seed * 100 + case)
@@ -160,6 +161,7 @@ def test_prefix_cache_hits_skip_work(seed, tok):
     assert LLMEngine(model, tok, [], bad).stats["prefix_hit_rate"] is None
 
 
+@pytest.mark.slow
 def test_warm_up_runs_every_bucket_and_leaves_the_engine_as_it_was(seed, tok):
     rng = random.Random(seed)
     model, config = random_model(rng)
@@ -189,6 +191,7 @@ def test_warm_up_runs_every_bucket_and_leaves_the_engine_as_it_was(seed, tok):
     assert [got[f"r{i}"] for i in range(5)] == [alone(model, tok, p, sp) for p, sp in requests]
 
 
+@pytest.mark.slow
 def test_forks_of_parallel_sampling_count_against_max_num_seqs(seed, tok):
     """A request with n > 1 becomes n sequences once its prompt is computed: admission reserves them,
     so the running set never exceeds max_num_seqs, and every completion is still its own."""
@@ -258,6 +261,7 @@ def test_cuda_graphs_cover_every_batch_the_scheduler_can_form(max_num_seqs, cap)
 
 # Padding rows hold whatever the attention output's fresh memory held (nothing reads them, see
 # minillm/worker/cuda_graphs.py); the interpreter's numpy may warn when that garbage overflows.
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
                             "ignore:invalid value encountered:RuntimeWarning")
 def test_padded_steps_through_the_triton_kernels(seed, tok):
@@ -312,6 +316,7 @@ def test_token_buckets_cover_every_step_size(max_tokens):
     assert token_buckets(0) == []
 
 
+@pytest.mark.slow
 def test_llm_generate_runs_through_the_engine(tok):
     """The embedded model, batched through the engine, gives each request its one-at-a-time tokens."""
     from minillm import LLM

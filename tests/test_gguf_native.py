@@ -129,6 +129,7 @@ def test_embedded_model_stays_packed_and_in_its_files_size(both):
     assert parameter_bytes(dense.model)["total"] / got > 5  # fp32 here; bf16 would be > 2.7x
 
 
+@pytest.mark.slow
 def test_embedded_model_logits_and_greedy_tokens_match_the_dequantized_path(both):
     """Same weights, so in fp32 the logits differ only by matmul summation order; greedy tokens for
     32 steps are identical, batched through the engine."""

@@ -17,6 +17,7 @@ from minillm.kernels.flash_decode import SPLIT_GRAIN
 from minillm.kernels.mla_decode import choose_num_splits, mla_decode, mla_decode_ref, program_slots
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("H", [40, 70] if INTERPRETED else [40, 128])
 def test_many_heads_match_the_reference(seed, H):
     rng, g = random.Random(seed * 7 + H), torch.Generator().manual_seed(seed * 7 + H)

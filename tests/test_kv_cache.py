@@ -71,6 +71,7 @@ def test_cache_is_actually_read(seed):
     assert (cached - full).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 def test_greedy_tokens_identical_with_and_without_cache_embedded_model():
     llm = LLM(dtype="float32")  # the GPU if there is one
     prompts = ["The capital of France is", "def fibonacci(n):"]
@@ -86,6 +87,7 @@ def test_greedy_tokens_identical_with_and_without_cache_embedded_model():
     assert [c.token_ids for c in llm.generate(prompts[0], sampled)[0].outputs] == without
 
 
+@pytest.mark.slow
 def test_switching_the_cache_off_leaves_the_engine_alone(monkeypatch):
     """enable_kv_cache=False on an LLM built with the engine runs chapter 02's loop: the engine is not
     stepped (a flag that changed nothing made the test above compare the engine with itself)."""
@@ -131,6 +133,7 @@ def test_slots_and_errors():
         KVCache([KVCacheSpec(1, 8, torch.float32)], num_slots=0, max_len=4, device="cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
 @torch.inference_mode()
 def test_triton_path_matches_torch_path_under_the_interpreter(seed, family, tok):

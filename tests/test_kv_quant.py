@@ -15,6 +15,7 @@ cache, and the embedded model's greedy tokens are compared with the full-precisi
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -416,6 +417,7 @@ def run_engine(model, tok, requests, config: EngineConfig) -> list[list[int]]:
     return [got[f"r{i}"] for i in range(len(requests))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
 def test_engine_batched_equals_alone_with_a_quantized_cache(seed, tok, kv_cache_dtype):
     rng = random.Random(seed)
@@ -437,6 +439,7 @@ def test_engine_batched_equals_alone_with_a_quantized_cache(seed, tok, kv_cache_
     assert layer.kv_scale_qmax == QMAX[QMAX_DTYPE[kv_cache_dtype]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
 def test_padded_steps_through_the_triton_kernels_with_a_quantized_cache(seed, tok, kv_cache_dtype):
     """The CUDA-graph path's padded steps through minillm's Triton kernels (the interpreter on a CPU,
@@ -544,6 +547,45 @@ def test_embedded_model_greedy_tokens_agree_with_full_precision_kv(embedded_fp32
 
 
 @pytest.fixture(scope="module")
+def tiny_free_running(tiny_chat_model):
+    """kv_greedy_agreement on a tiny random llama (fp32, CPU): what the report must hold is the same for
+    any model, and this one takes seconds where the embedded model takes half an hour on a CI CPU."""
+    from minillm import LLM
+    from minillm.eval.kv_agreement import kv_greedy_agreement
+
+    llm = LLM(str(tiny_chat_model), dtype="float32", device="cpu", enable_kv_cache=False)
+    return {r.kv_cache_dtype: r for r in kv_greedy_agreement(llm, max_tokens=TINY_FREE_TOKENS)}
+
+
+TINY_FREE_TOKENS = 12
+
+
+def test_free_running_agreement_is_measured(tiny_free_running):
+    """What the measurement reports is consistent: every prompt's tokens compared, a first difference
+    where the tokens first differ, the reference's top-2 margin there (>= 0)."""
+    from minillm.eval.kv_agreement import BF16_CONTROL, PROMPTS
+
+    assert set(tiny_free_running) == {"fp8", "int8", BF16_CONTROL}
+    for r in tiny_free_running.values():
+        assert r.tokens == len(PROMPTS) * TINY_FREE_TOKENS and len(r.first_divergence) == len(PROMPTS)
+        assert 0 <= r.same_position <= 1 and r.before_first_divergence <= r.same_position
+        assert 0 <= r.teacher_forced_same <= 1 and r.teacher_forced_kl >= 0
+        for first, margin in zip(r.first_divergence, r.divergence_margin):
+            assert (margin is None) == (first == TINY_FREE_TOKENS) and (margin is None or margin >= 0)
+
+
+# The embedded model's free-running measurement is 4 x 8 x 64 fp32 decode steps plus teacher-forced
+# passes: ~29 minutes of one CI worker (measured 1,718 s, 2026-12-03), for a test whose outcome is known
+# (xfail: issue 16's target is not reached). It runs where it is cheap -- on the GPU machine
+# (.ci/gpu.sh runs the whole suite) or wherever MINILLM_SLOW_QUANT=1 is set, as test_awq_gptq's
+# embedded-model calibrations do; the CPU CI runs the report's consistency on the tiny model above.
+slow_free_running = pytest.mark.skipif(
+    not (os.environ.get("MINILLM_SLOW_QUANT") or torch.cuda.is_available()),
+    reason="the embedded model's free-running KV agreement takes ~30 min on a CI CPU: set MINILLM_SLOW_QUANT=1 "
+           "(the GPU script runs it)")
+
+
+@pytest.fixture(scope="module")
 def free_running(embedded_fp32):
     """kv_greedy_agreement on the embedded model (fp32, CPU): 8 prompts x 64 greedy tokens, fp8 and
     int8 caches and the bf16 control vs the fp32 cache."""
@@ -559,21 +601,21 @@ def free_running(embedded_fp32):
 
 
 @pytest.mark.slow
-def test_free_running_agreement_is_measured(free_running):
-    """What the measurement reports is consistent: every prompt's 64 tokens compared, a first
-    difference where the tokens first differ, the reference's top-2 margin there (>= 0)."""
+@slow_free_running
+def test_embedded_free_running_agreement_is_measured(free_running):
+    """The same consistency on the embedded model's 8 x 64 tokens (the numbers the xfail below is about)."""
     from minillm.eval.kv_agreement import BF16_CONTROL
 
     assert set(free_running) == {"fp8", "int8", BF16_CONTROL}
     for r in free_running.values():
         assert r.tokens == 512 and len(r.first_divergence) == 8 and 0 <= r.same_position <= 1
         assert r.before_first_divergence <= r.same_position
-        assert 0 <= r.teacher_forced_same <= 1 and r.teacher_forced_kl >= 0
         for first, margin in zip(r.first_divergence, r.divergence_margin):
             assert (margin is None) == (first == 64) and (margin is None or margin >= 0)
 
 
 @pytest.mark.slow
+@slow_free_running
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "issue 16's target (>= 90 % identical free-running greedy tokens, 64 tokens x 8 prompts) is not reached: "
     "measured on CPU, fp32 model, per-channel key scales (2026-11-25): fp8 26.6 %, int8 31.8 % (one key "

@@ -38,6 +38,7 @@ def test_there_are_labs():
     assert SOLUTIONS, f"no lab notebooks in {LABS}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
 def test_lab_bites(path, tmp_path):
     solution = nbformat.read(path, as_version=4)

@@ -45,6 +45,7 @@ def test_stream_equals_generate(tiny_llm):
     assert streamed == tiny_llm.generate("Hello", p)[0].outputs[0].text
 
 
+@pytest.mark.slow
 def test_chat_uses_the_template():
     llm_out = LLM(device="cpu").chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=4))
     assert llm_out[0].prompt.startswith("<|im_start|>system") and llm_out[0].prompt.endswith("<|im_start|>assistant\n")

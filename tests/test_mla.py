@@ -37,6 +37,7 @@ def paged_latents(g, lens: list[int], width: int, block_size: int, dtype):
     return cache.to(DEVICE, dtype), table.to(DEVICE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(4))
 def test_mla_kernel_matches_reference_through_a_shuffled_block_table(seed, case):
     rng, g = random.Random(seed * 10 + case), torch.Generator().manual_seed(seed * 10 + case)

@@ -62,6 +62,7 @@ def smollm():
     return LLM(dtype="float32", device="cpu")
 
 
+@pytest.mark.slow
 def test_smollm2_logits_match_hf(smollm, smollm_hf, seed):
     rng = random.Random(seed)
     tok = smollm.tokenizer
@@ -72,6 +73,7 @@ def test_smollm2_logits_match_hf(smollm, smollm_hf, seed):
         assert (ours - theirs).abs().max().item() < ATOL_FP32
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_matches_hf(smollm, smollm_hf):
     prompt = smollm.tokenizer.encode(
         smollm.tokenizer.apply_chat_template([{"role": "user", "content": "Write a poem about the sea."}]))
@@ -79,12 +81,14 @@ def test_smollm2_greedy_matches_hf(smollm, smollm_hf):
     assert ours == _hf_greedy(smollm_hf, prompt, GREEDY_STEPS)
 
 
+@pytest.mark.slow
 def test_smollm2_answers_sensibly(smollm):
     out = smollm.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
     assert "Paris" in out.text and out.finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_smollm2_bf16_within_tolerance(smollm_hf, seed):
     """bf16 weights and activations: the logits move, by a stated amount, and the top token rarely."""
     model, _, tok = load_model(None, dtype=torch.bfloat16)
@@ -119,6 +123,7 @@ def test_tiny_logits_match_hf(tiny, seed):
         assert (ours - theirs).abs().max().item() < ATOL_FP32, family
 
 
+@pytest.mark.slow
 def test_tiny_greedy_matches_hf(tiny, seed):
     family, folder, hf = tiny
     llm = LLM(folder, dtype="float32", device="cpu")

@@ -42,6 +42,7 @@ def test_tiny_logits_match_hf(tiny, seed):
         assert (ours - _hf_logits(hf, ids)).abs().max().item() < ATOL_FP32, family
 
 
+@pytest.mark.slow
 def test_tiny_greedy_matches_hf_through_the_engine(tiny, seed):
     family, folder, hf = tiny
     llm = LLM(folder, dtype="float32", device="cpu", block_size=4)  # a prompt over several blocks
@@ -89,6 +90,7 @@ def random_moe_model(rng: random.Random, mla: bool):
     return model, config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(4))
 def test_engine_matches_one_request_at_a_time(seed, tok, case):
     rng = random.Random(seed * 100 + case)

@@ -32,6 +32,7 @@ def _drain(engine, abort_at: int | None = None, aborted=()) -> tuple[dict, int]:
     return got, overlapped
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(4))
 def test_overlapped_engine_matches_one_request_at_a_time(seed, tok, case):
     """Random mixes (shared prefixes, greedy and seeded top-p, n > 1, stop tokens, aborts, preemption by

@@ -7,6 +7,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -17,6 +19,7 @@ def test_every_package_is_listed():
     assert "minillm.kernels" in listed and not (ROOT / "minillm" / "kernels").exists()
 
 
+@pytest.mark.slow
 def test_a_plain_install_imports(tmp_path):
     """Install (not editable) into a folder and import every module from there."""
     target = tmp_path / "site"

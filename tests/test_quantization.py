@@ -199,6 +199,7 @@ def greedy_runs(smollm_fp32):
     return list(zip(prompts, _greedy(smollm_fp32, prompts)))
 
 
+@pytest.mark.slow
 def test_smollm2_int8_keeps_the_greedy_tokens(smollm_fp32, greedy_runs):
     """int8 (30 layers and the tied int8 LM head) moves SmolLM2's logits by ~3 % (SQNR 27.7-32.1 dB,
     measured; 28.3-32.4 with lm_head="none"), enough to flip near-ties only: fed the unquantized model's
@@ -228,6 +229,7 @@ def test_smollm2_int8_keeps_the_greedy_tokens(smollm_fp32, greedy_runs):
     assert "Paris" in out.text
 
 
+@pytest.mark.slow
 def test_smollm2_int4(smollm_fp32, greedy_runs):
     """The embedded file is Q4_1: groups of 32 weights on a 16-level min-max grid. int4 at group 32 finds
     that grid again (the same weights, to fp32 rounding); group 64 must cover two Q4_1 ranges with one
@@ -258,6 +260,7 @@ def test_smollm2_int4(smollm_fp32, greedy_runs):
         LLM(dtype="float32", device="cpu", quantization="int2")
 
 
+@pytest.mark.slow
 def test_parameter_memory_shrinks():
     """Linear-weight bytes vs the bf16 model: int8 ~2x, int4 g64 16/4.5 = 3.56x (bf16 scale + min per
     64 weights), g32 3.2x. The embedding (tied LM head) becomes int8 with a bf16 scale per row (lm_head.py):

@@ -41,6 +41,7 @@ def _logits(model, ids):
         return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), meta))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", list(SPECS))
 def test_save_load_round_trip_is_bit_exact(corpus, tiny, tmp_path, method, seed):  # noqa: F811
     out = quantize_model(tiny, method, SPECS[method], tmp_path / method)
