@@ -123,6 +123,8 @@ class OpenAIServing:
             except (ValueError, TypeError) as e:
                 message = str(e).replace(f"request {rid!r}", name)
                 raise APIError(400, message, param="n" if " n=" in message else _param_of(message)) from None
+            if out:  # one stop list for all the prompts, not a copy each (the check copies the params)
+                checked.stop = out[0][2].stop
             out.append((rid, ids, checked))
         return out
 
