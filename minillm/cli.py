@@ -336,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--act-order", action="store_true", help="gptq: round the most used inputs first")
     qz.add_argument("--out", required=True, help="the folder to write (quant_config.json, model.safetensors): a "
                     "new or empty folder outside the model's")
-    qz.add_argument("--overwrite", action="store_true", help="replace --out if it is a folder that is not empty")
+    qz.add_argument("--overwrite", action="store_true", help="replace --out if it is a folder an earlier `minillm quantize` wrote (any other non-empty folder is refused)")
     qz.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     qz.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
     qz.set_defaults(fn=_quantize)

@@ -10,21 +10,47 @@ This file holds the command-line verbs: `quantize_model` (load, quantize, save) 
 and how it is checked and loaded, is `layers/quantization/saved.py`; `load_quantized`, the config
 that loads one, is in `layers/quantization/calibration.py`.
 
+--overwrite replaces only a folder `minillm quantize` wrote (its quant_config.json and tensors,
+nothing else): the old folder is deleted whole, so `--out . --overwrite` in a project folder, or a
+mistyped --out, would otherwise delete files quantize never wrote (probe round 4, M5).
+
 Models with routed experts are refused up front: their experts are not linear layers the format
 saves (LLM(quantization="int8") quantizes them at load time instead).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
+from .layers.quantization import saved
 from .layers.quantization.calibration import load_quantized
-from .layers.quantization.saved import METHODS, check_out, save_quantized
+from .layers.quantization.saved import METHODS, save_quantized
 from .loader import load_model, read_model_config
 
-__all__ = ["parse_quantization", "quantize_model"]  # the verbs; the format is saved.py's
+__all__ = ["check_out", "parse_quantization", "quantize_model"]  # the verbs; the format is saved.py's
+
+
+def check_out(out: str | Path, model: str | Path | None = None, overwrite: bool = False) -> Path:
+    """saved.check_out (never into the model, a file, or a non-empty folder without overwrite), and
+    with overwrite a non-empty folder must be one quantize wrote: -> the folder's absolute path."""
+    out = saved.check_out(out, model, overwrite)
+    if overwrite and out.is_dir() and any(out.iterdir()):
+        ours = {saved.CONFIG_FILE, saved.TENSORS_FILE}
+        others = sorted(p.name for p in out.iterdir() if p.name not in ours)
+        config = out / saved.CONFIG_FILE
+        try:
+            written = json.loads(config.read_text()).get("format") == saved.FORMAT
+        except (OSError, ValueError, AttributeError):
+            written = False
+        if not written or others:
+            why = (f"it holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''}, which quantize did not "
+                   f"write" if others else f"it has no {saved.CONFIG_FILE} of this format")
+            raise ValueError(f"--out {out}: --overwrite replaces only a folder written by `minillm quantize`, and "
+                             f"{why}; choose a new folder (or empty this one yourself)")
+    return out
 
 
 def quantize_model(source, method: str, options: dict, out: str | Path, *, dtype=torch.float32,

@@ -5,7 +5,8 @@ its own text (through the incremental detokenizer of chapter 01) and its own ran
 after every new token checks, in this order:
 
     stop token id -> "stop" (stop_reason = the id)        EOS (unless ignore_eos) -> "stop"
-    stop string in the text -> "stop", the text cut before it (stop_reason = the string)
+    stop string in the text -> "stop", the text cut before it (stop_reason = the string); the one
+        that ends first wins, ties to the first in the list (all matched at once: stop_strings.py)
     max_tokens reached, or the context full -> "length"
 
 A stop string can straddle tokens ("Hel" + "lo."); checking the text, not the tokens, finds it.
@@ -20,6 +21,7 @@ from .outputs import CompletionOutput, Logprob
 from .sampling import SamplingParams
 from .sampling.sampler import logprob_lists
 from .spec_decode.metrics import SpecDecodeMetrics
+from .stop_strings import StopMatcher
 from .tokenizer import IncrementalDetokenizer
 from .tokenizer.detokenizer import known_ids
 
@@ -49,6 +51,9 @@ class Sequence:
         # server's engine core sends text only for them, and token ids for the rest (engine_core.py).
         self._text, self._detok_upto, self._flushed = "", 0, False
         self.eager_text = bool(params.stop)
+        # every stop string at once, each new character read once (the cost of str.find per stop per
+        # token grew with the number of stops, inside the step every request waits for)
+        self._stops = StopMatcher(params.stop) if params.stop else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
@@ -139,13 +144,16 @@ class Sequence:
             self.cumulative_logprob += logprob
         if self.logprobs is not None and entry is not None:
             self.logprobs.append(entry)
-        before = len(self._text)
+        hit = None
         if self.eager_text:  # stop strings are matched in the text this token adds
+            before = len(self._text)
             self._text += self.detok.step(token_id)
             self._detok_upto = len(self.output_ids)
-        self._check_stop(token_id, before)
+            if self._stops is not None:  # read even before min_tokens: a stop may straddle it
+                hit = self._stops.feed(self._text, before)
+        self._check_stop(token_id, hit)
 
-    def _check_stop(self, token_id: int, before: int) -> None:
+    def _check_stop(self, token_id: int, hit: tuple[int, str] | None) -> None:
         p = self.params
         num_output = len(self.output_ids)
         # the token and text checks only where something could match (most requests: nothing to check)
@@ -156,13 +164,11 @@ class Sequence:
             if token_id in self.eos_ids:
                 self.finish_reason = "stop"
                 return
-            for stop in p.stop:
-                # a new match must end in the text this token added
-                at = self._text.find(stop, max(0, before - len(stop) + 1))
-                if at >= 0:
-                    self._text = self._text[: at + len(stop) if p.include_stop_str_in_output else at]
-                    self.finish_reason, self.stop_reason = "stop", stop
-                    return
+            if hit is not None:  # a stop string that ends in the text this token added
+                end, stop = hit
+                self._text = self._text[: end if p.include_stop_str_in_output else end - len(stop)]
+                self.finish_reason, self.stop_reason = "stop", stop
+                return
         if (p.max_tokens is not None and num_output >= p.max_tokens) or self.num_tokens >= self.max_len:
             self.finish_reason = "length"
 

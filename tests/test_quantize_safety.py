@@ -68,13 +68,38 @@ def test_out_that_cannot_be_written_is_refused_before_loading(tiny, tmp_path, ca
 
 def test_overwrite_replaces_atomically(tiny, tmp_path, capsys):
     out = tmp_path / "q"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
+    code, err = _quantize(capsys, "--model", str(tiny), "--out", str(out))
+    assert code == 0, err
+    before = _digest(out)
     code, err = _quantize(capsys, "--model", str(tiny), "--out", str(out), "--overwrite")
     assert code == 0, err
+    assert _digest(out).keys() == before.keys()
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "quant_config.json"]
     assert [p.name for p in tmp_path.iterdir()] == ["q"]  # no temporary folder left beside it
     load_model(tiny, quantization=load_quantized(out))
+
+
+def test_overwrite_replaces_only_what_quantize_wrote(tiny, tmp_path, capsys, no_load, monkeypatch):
+    """Probe round 4, M5: `--out . --overwrite` in a project folder deleted the whole folder."""
+    project = tmp_path / "proj"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "notes.txt").write_text("precious")
+    monkeypatch.chdir(project)
+    code, err = _quantize(capsys, "--model", str(tiny), "--out", ".", "--overwrite")
+    assert code == 2 and "replaces only a folder written by `minillm quantize`" in err and "src" in err, err
+    assert (project / "src" / "notes.txt").read_text() == "precious"
+    # a quantize folder the user added a file to, and a folder with a foreign quant_config.json
+    (tmp_path / "q").mkdir()
+    (tmp_path / "q" / "quant_config.json").write_text(json.dumps({"format": "minillm-quantized"}))
+    (tmp_path / "q" / "mine.txt").write_text("x")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "quant_config.json").write_text(json.dumps({"quant_method": "awq"}))
+    for out, match in [(tmp_path / "q", "it holds mine.txt"), (tmp_path / "other", "has no quant_config.json")]:
+        code, err = _quantize(capsys, "--model", str(tiny), "--out", str(out), "--overwrite")
+        assert code == 2 and match in err, err
+    assert (tmp_path / "q" / "mine.txt").exists() and (tmp_path / "other" / "quant_config.json").exists()
+    with pytest.raises(ValueError, match="replaces only a folder written by"):
+        quantize_model(tiny, "int8", {}, project, overwrite=True)
 
 
 def test_a_failed_write_leaves_the_old_folder(tiny, tmp_path, monkeypatch):

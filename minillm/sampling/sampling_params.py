@@ -22,6 +22,12 @@ import struct
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# A request's stop list is matched in the engine's step and travels with each of its prompts to the
+# engine core: bounded, as servers bound it (OpenAI takes 4 strings), so that its memory and cost
+# stay proportional to the request (probe round 4, S1: 100,000 stops x 1024 prompts took 6 GB).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 8192  # all stop strings together
+MAX_TOP_K = 1 << 31  # far above any vocabulary; the sampler's int64 tensors must hold it
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this (0 included) sample greedily
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32: 1 / it is still finite
@@ -58,6 +64,8 @@ class SamplingParams:
         params carry (stop_token_ids) must also lie in [0, vocab_size).
         """
         self.stop = _str_list("stop", self.stop)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
         self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids)
         _int("n", self.n, 1)
         _num("temperature", self.temperature, 0.0, None, ">= 0 (0 means greedy)")
@@ -67,7 +75,7 @@ class SamplingParams:
         if _float32(self.top_p) == 0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}"
                              + (" (0 in float32, the sampler's precision)" if self.top_p else ""))
-        _int("top_k", self.top_k, -1, what=">= 1, or 0 / -1 for no limit")
+        _int("top_k", self.top_k, -1, MAX_TOP_K, what=f">= 1 and at most {MAX_TOP_K}, or 0 / -1 for no limit")
         _num("min_p", self.min_p, 0.0, 1.0, "in [0, 1]")
         _num("repetition_penalty", self.repetition_penalty, 0.0, None, "> 0 (1 = off)")
         if self.repetition_penalty == 0:
@@ -89,6 +97,8 @@ class SamplingParams:
                 raise TypeError(f"stop[{i}] must be a non-empty string, not {type(s).__name__} ({s!r})")
             if not s:
                 raise ValueError(f"stop[{i}] must be a non-empty string, got {s!r}")
+        if (chars := sum(map(len, self.stop))) > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings hold {chars} characters in all; at most {MAX_STOP_CHARS} are allowed")
         for i, t in enumerate(self.stop_token_ids):
             _int(f"stop_token_ids[{i}]", t, 0)
         if self.logprobs is not None:

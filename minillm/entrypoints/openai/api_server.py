@@ -51,7 +51,8 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...engine.async_llm_engine import AsyncLLMEngine, EngineNotReady
-from .cli_args import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_PROMPTS
+from .cli_args import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_PROMPTS, DEFAULT_MAX_SEQS
+from .http_limits import http_protocol
 from .metrics import ServerMetrics
 from .protocol import BadField, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .serving_chat import OpenAIServingChat
@@ -68,7 +69,7 @@ PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; style-src 'self'
 
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
               max_request_bytes: int = 4 * 2**20, max_prompts: int = DEFAULT_MAX_PROMPTS,
-              max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> FastAPI:
+              max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS, max_seqs: int = DEFAULT_MAX_SEQS) -> FastAPI:
     metrics = ServerMetrics(engine)
     engine.on_finished = metrics.request_finished
 
@@ -85,7 +86,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     app.state.engine, app.state.metrics = engine, metrics
     timings = OrderedDict()  # response id -> its stamps, both endpoints'
     completions = OpenAIServingCompletion(engine, model_name, timings, max_prompts=max_prompts,
-                                          max_prompt_tokens=max_prompt_tokens)
+                                          max_prompt_tokens=max_prompt_tokens, max_seqs=max_seqs)
     chat = OpenAIServingChat(engine, model_name, timings)
     app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes, metrics=metrics)
     _add_error_handlers(app)
@@ -176,11 +177,14 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(e.status_code, str(e.detail), param=None, code=code)
 
     @app.exception_handler(Exception)
-    async def internal(request: Request, e: Exception):
-        # one line per failed request (a traceback each would flood the log); the traceback at debug level
-        logger.error("%s %s failed: %s: %s", request.method, request.url.path, type(e).__name__, e,
-                     exc_info=logger.isEnabledFor(logging.DEBUG))
-        return _error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+    async def internal(request: Request, e: Exception):  # what Guard did not catch (an error in Guard itself)
+        return _internal_error(request.method, request.url.path, e)
+
+
+def _internal_error(method: str, path: str, e: Exception) -> JSONResponse:
+    # one line per failed request (a traceback each would flood the log); the traceback at debug level
+    logger.error("%s %s failed: %s: %s", method, path, type(e).__name__, e, exc_info=logger.isEnabledFor(logging.DEBUG))
+    return _error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -207,7 +211,9 @@ def _describe(errors: list[dict]) -> tuple[str, str | None]:
 
 class Guard:
     """Pure ASGI middleware, before any route: counts every response by status, checks the API key on
-    /v1, and refuses bodies over the limit with 413 before reading them whole."""
+    /v1, refuses bodies over the limit with 413 before reading them whole, and turns an unexpected
+    error into a 500 it sends itself: Starlette's catch-all handler re-raises after answering, and
+    uvicorn then drops the keep-alive connection (probe round 4, M1)."""
 
     def __init__(self, app, api_key: str | None, max_request_bytes: int, metrics: ServerMetrics):
         self.app, self.api_key, self.limit, self.metrics = app, api_key, max_request_bytes, metrics
@@ -216,10 +222,11 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         status = [500]
+        started = [False]
 
         async def counted_send(message):
             if message["type"] == "http.response.start":
-                status[0] = message["status"]
+                status[0], started[0] = message["status"], True
             await send(message)
 
         try:
@@ -229,6 +236,10 @@ class Guard:
             if refusal is not None:
                 return await refusal(scope, receive, counted_send)
             await self.app(scope, receive, counted_send)
+        except Exception as e:
+            if started[0]:  # half a response is out: only closing the connection can tell the client
+                raise
+            await _internal_error(scope["method"], scope["path"], e)(scope, receive, counted_send)
         finally:
             self.metrics.http_response(scope["path"], status[0])
 
@@ -291,12 +302,17 @@ def run_server(args) -> int:
     """`minillm serve`: build the app, serve until SIGTERM/Ctrl-C. -> exit status (ValueError: no engine)."""
     from ...engine import EngineConfig
     from ...model_files import embedded_model_path
-    from .cli_args import build_llm_engine, engine_kwargs
+    from .cli_args import build_llm_engine, check_api_key, engine_kwargs
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.switch_interval_ms is not None:  # how long a thread may hold the GIL while the other waits
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     api_key = args.api_key or os.environ.get("MINILLM_API_KEY") or None
+    if api_key is not None and not args.api_key:
+        try:
+            check_api_key(api_key)
+        except ValueError as e:
+            raise ValueError(f"$MINILLM_API_KEY {e}") from None
     model_name = args.served_model_name or args.model or embedded_model_path().stem
     EngineConfig(**engine_kwargs(args))  # a bad engine flag: exit 2 now, before the port opens
     llm_args = dict(model=args.model, dtype=args.dtype, device=args.device,
@@ -304,10 +320,12 @@ def run_server(args) -> int:
     make = partial(build_llm_engine, llm_args, getattr(args, "quantization", None))
     engine = AsyncLLMEngine(make, warm_up=False if args.no_warm_up else "auto", engine_core=args.engine_core)
     app = build_app(engine, model_name, api_key, args.max_request_bytes, args.max_prompts_per_request,
-                    args.max_prompt_tokens_per_request)
+                    args.max_prompt_tokens_per_request, args.max_seqs_per_request)
     loop, http = fast_loop_and_parser()
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop=loop, http=http,
-                            access_log=not args.no_access_log, timeout_graceful_shutdown=args.shutdown_grace + 5)
+    protocol, http_kwargs = http_protocol(http, args.max_header_bytes)  # headers bounded before the key is checked
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop=loop, http=protocol,
+                            access_log=not args.no_access_log, timeout_graceful_shutdown=args.shutdown_grace + 5,
+                            **http_kwargs)
     server = _Server(config, engine, args.shutdown_grace)
     app.state.on_dead = lambda: setattr(server, "should_exit", True)
     logger.info("serving %s on http://%s:%d (API key %s; event loop %s, HTTP parser %s)", model_name, args.host,

@@ -12,6 +12,8 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 128k-token prompt is about 0.5 MB of 
 # the limits of one completions request (serving_completion.py, where they are enforced)
 DEFAULT_MAX_PROMPTS = 1024
 DEFAULT_MAX_PROMPT_TOKENS = 1 << 18
+DEFAULT_MAX_SEQS = 4096  # prompts x n: 1024 prompts x n=256 was 262,144 sequences from a 12 KB body
+DEFAULT_MAX_HEADER_BYTES = 16 * 2**10  # h11's limit; httptools (uvicorn's faster parser) has none
 
 
 def _int_in(low: int, high: int | None, what: str):
@@ -43,9 +45,21 @@ def _seconds(value: str) -> float:
 
 
 def _api_key(value: str) -> str:
-    if not value.strip():  # an empty key would silently turn authentication off
-        raise argparse.ArgumentTypeError("is empty; give the key clients must send, or leave the flag out to "
-                                         "serve without one")
+    try:
+        return check_api_key(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def check_api_key(value: str) -> str:
+    """A key a client can send: not empty (that would silently turn authentication off), and visible
+    ASCII only, as HTTP headers carry it (a non-ASCII key or one with spaces around it could never be
+    matched: every request would get a 401)."""
+    if not value.strip():
+        raise ValueError("is empty; give the key clients must send, or leave the flag out to serve without one")
+    if not all("!" <= ch <= "~" for ch in value):
+        raise ValueError("must be visible ASCII characters only (no spaces, no accents): an HTTP header carries it, "
+                         "and a key no client can send would lock every client out")
     return value
 
 
@@ -99,6 +113,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens-per-request", type=positive_int, default=DEFAULT_MAX_PROMPT_TOKENS,
                    help=f"prompt tokens in one /v1/completions request, all prompts together; more get a 400 "
                    f"(default {DEFAULT_MAX_PROMPT_TOKENS})")
+    p.add_argument("--max-seqs-per-request", type=positive_int, default=DEFAULT_MAX_SEQS,
+                   help=f"sequences one /v1/completions request may ask for, prompts x n; more get a 400 "
+                   f"(default {DEFAULT_MAX_SEQS})")
+    p.add_argument("--max-header-bytes", type=positive_int, default=DEFAULT_MAX_HEADER_BYTES,
+                   help=f"a request's HTTP headers, before the API key is checked; larger ones get a 431 and the "
+                   f"connection closed (default {DEFAULT_MAX_HEADER_BYTES})")
     p.add_argument("--shutdown-grace", type=_seconds, default=10.0, help="seconds in-flight requests get to finish "
                    "after SIGTERM/Ctrl-C; then they are aborted (finish_reason 'abort')")
     p.add_argument("--no-warm-up", action="store_true", help="skip the warm-up (on a GPU it compiles and captures "

@@ -10,11 +10,17 @@ A request may hold at most `max_prompts` prompts and `max_prompt_tokens` prompt 
 request, and one client's 20,000 prompts would otherwise be 20,000 entries to check, queue, step past
 and abort. A request of many prompts is checked in a worker thread, so the event loop keeps answering
 everyone else (/health included) meanwhile.
+
+Round 4 of the reliability probe added three bounds: prompts x n (`--max-seqs-per-request`: a 12 KB
+body asked for 262,144 sequences); a text longer than the context (or than the request's token limit)
+could ever tokenize to, refused by its length before it is tokenized; and tokenizing stops between
+prompts once the request's token limit is passed or its client has left.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -22,7 +28,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ...outputs import Logprob
-from .cli_args import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_PROMPTS
+from .cli_args import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_PROMPTS, DEFAULT_MAX_SEQS
 from .protocol import (
     BadField,
     CompletionLogProbs,
@@ -30,29 +36,46 @@ from .protocol import (
     CompletionResponse,
     CompletionResponseChoice,
 )
-from .serving_engine import APIError, OpenAIServing, gather, new_id, tokenize, usage
+from .serving_engine import (
+    INLINE_TOKENIZE_CHARS,
+    APIError,
+    OpenAIServing,
+    gather,
+    new_id,
+    usage,
+    wait_for_disconnect,
+)
 from .stream_chunks import ChunkFrame
 
 INLINE_CHECK_PROMPTS = 16  # more prompts than this are checked in a worker thread, off the event loop
 
 
-def check_prompt_limits(num_prompts: int, num_tokens: int | None, max_prompts: int, max_tokens: int) -> None:
-    """A 400 naming the limit when a request holds too many prompts or prompt tokens."""
+def check_prompt_limits(num_prompts: int, num_tokens: int | None, max_prompts: int, max_tokens: int,
+                        n: int = 1, max_seqs: int | None = None) -> None:
+    """A 400 naming the limit when a request holds too many prompts, prompt tokens or sequences."""
     if num_prompts > max_prompts:
         raise APIError(400, f"the request holds {num_prompts} prompts; this server takes at most {max_prompts} per "
                        f"request (--max-prompts-per-request): send them in several requests", param="prompt",
                        code="too_many_prompts")
+    if max_seqs is not None and num_prompts * n > max_seqs:
+        raise APIError(400, f"the request asks for {num_prompts} prompts x n={n} = {num_prompts * n} sequences; this "
+                       f"server runs at most {max_seqs} per request (--max-seqs-per-request): lower n or send fewer "
+                       f"prompts", param="n", code="too_many_sequences")
     if num_tokens is not None and num_tokens > max_tokens:
         raise APIError(400, f"the request's prompts hold {num_tokens} tokens in all; this server takes at most "
                        f"{max_tokens} per request (--max-prompt-tokens-per-request)", param="prompt",
                        code="too_many_prompt_tokens")
 
 
+class _Stopped(Exception):
+    """Tokenizing was stopped: the client left."""
+
+
 class OpenAIServingCompletion(OpenAIServing):
     def __init__(self, *args, max_prompts: int = DEFAULT_MAX_PROMPTS, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
-                 **kwargs):
+                 max_seqs: int = DEFAULT_MAX_SEQS, **kwargs):
         super().__init__(*args, **kwargs)
-        self.max_prompts, self.max_prompt_tokens = max_prompts, max_prompt_tokens
+        self.max_prompts, self.max_prompt_tokens, self.max_seqs = max_prompts, max_prompt_tokens, max_seqs
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request):
         received = time.perf_counter()
@@ -61,8 +84,9 @@ class OpenAIServingCompletion(OpenAIServing):
         texts = request.prompts()
         # token ids are counted now; text after tokenizing (it has at least a token per 4 MiB / limit bytes)
         ids_only = sum(len(p) for p in texts if not isinstance(p, str))
-        check_prompt_limits(len(texts), ids_only, self.max_prompts, self.max_prompt_tokens)
-        prompts = await tokenize(sum(len(p) for p in texts if isinstance(p, str)), self._token_ids, texts)
+        check_prompt_limits(len(texts), ids_only, self.max_prompts, self.max_prompt_tokens, params.n, self.max_seqs)
+        self._check_text_lengths(texts)
+        prompts = await self._tokenize(texts, raw_request)
         check_prompt_limits(len(prompts), sum(len(p) for p in prompts), self.max_prompts, self.max_prompt_tokens)
         marks = {"received": received, "tokenized": time.perf_counter()}
         request_id, created = new_id("cmpl")
@@ -83,21 +107,57 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprobs=None if params.logprobs is None else logprobs(c.token_ids, c.logprobs, 0))
                 for i, c in enumerate(choices)])
 
-    def _token_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
-        """Text is tokenized as LLM.generate does (Tokenizer.encode); token ids pass as they are."""
+    def _check_text_lengths(self, texts: list[str | list[int]]) -> None:
+        """Texts that could never fit, by their length alone: one longer than the context could hold,
+        or all together longer than the request's token limit could."""
+        max_len = self.engine.engine.max_model_len
+        for i, p in enumerate(texts):
+            if isinstance(p, str):
+                name = "prompt" if len(texts) == 1 else f"prompt[{i}]"
+                self.check_text_length(name, len(p), max_len, "the model's context", "prompt")
+        chars = sum(len(p) for p in texts if isinstance(p, str))
+        self.check_text_length("the request's text", chars, self.max_prompt_tokens,
+                               "--max-prompt-tokens-per-request", "prompt", "too_many_prompt_tokens")
+
+    async def _tokenize(self, texts: list[str | list[int]], raw_request: Request) -> list[list[int]]:
+        """Short texts on the loop (a thread hop costs more); long ones in a worker thread that stops
+        between prompts if the client leaves (a 499 then), so nobody's work outlives its client."""
+        if sum(len(p) for p in texts if isinstance(p, str)) <= INLINE_TOKENIZE_CHARS:
+            return self._token_ids(texts)
+        stop = threading.Event()
+        work = asyncio.ensure_future(asyncio.to_thread(self._token_ids, texts, stop))
+        gone = asyncio.ensure_future(wait_for_disconnect(raw_request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                stop.set()  # the thread ends after the prompt it is encoding
+        if not work.done():
+            raise APIError(499, "the client closed the connection before the answer was ready", code="client_closed")
+        return work.result()
+
+    def _token_ids(self, prompts: list[str | list[int]], stop: threading.Event | None = None) -> list[list[int]]:
+        """Text is tokenized as LLM.generate does (Tokenizer.encode); token ids pass as they are. Stops
+        early, with the 400, once the prompts hold more tokens than the request may."""
         for i, p in enumerate(prompts):
             if isinstance(p, list) and not p:
                 raise BadField("prompt", f"prompt[{i}] is empty: a prompt needs at least one token")
-        out = []
+        out, total = [], 0
         for i, p in enumerate(prompts):
+            if stop is not None and stop.is_set():
+                raise _Stopped
             if not isinstance(p, str):
                 out.append(p)
-                continue
-            try:
-                out.append(self.tokenizer.encode(p))
-            except (ValueError, TypeError) as e:  # a lone surrogate ("\ud800" in the JSON) is not text
-                name = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-                raise BadField("prompt", f"{name} is not valid Unicode text: {e}") from None
+            else:
+                try:
+                    out.append(self.tokenizer.encode(p))
+                except (ValueError, TypeError) as e:  # a lone surrogate ("\ud800" in the JSON) is not text
+                    name = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                    raise BadField("prompt", f"{name} is not valid Unicode text: {e}") from None
+            total += len(out[-1])
+            if total > self.max_prompt_tokens:  # the rest cannot change the answer: a 400
+                check_prompt_limits(len(prompts), total, self.max_prompts, self.max_prompt_tokens)
         return out
 
     def _stream(self, request_id: str, created: int, requests, include_usage: bool,

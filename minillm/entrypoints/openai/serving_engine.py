@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -24,6 +25,8 @@ from ...outputs import CompletionOutput, RequestOutput
 from ...sampling import SamplingParams
 from .protocol import BadField, ErrorInfo, ErrorResponse, UsageInfo
 
+logger = logging.getLogger("minillm.serve")
+
 
 class APIError(Exception):
     """An error with its HTTP status and OpenAI's error fields; the server renders it."""
@@ -34,7 +37,9 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> dict:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+        # backslashreplace: a message that quotes a lone surrogate must still encode as UTF-8 JSON
+        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        return ErrorResponse(error=ErrorInfo(message=message, type=self.type, param=self.param,
                                              code=self.code)).model_dump()
 
 
@@ -52,6 +57,9 @@ def sse_error(error: APIError) -> str:
 
 
 INLINE_TOKENIZE_CHARS = 1024  # text up to this long is tokenized on the loop: a thread hop costs more
+# What one chat message costs the template renderer, in characters the tokenizer would read in the
+# same time: 120,000 empty messages took 1.25 s to render on the loop (probe round 4, M3).
+MESSAGE_CHARS = 16
 
 
 async def tokenize(chars: int, fn: Callable, *args, **kwargs):
@@ -92,9 +100,32 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> None:
         """Is the engine serving, and is `model` its model? (503 / 404 otherwise)"""
         self.engine.check_ready()
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
+        if model is not None and model != self.model_name:  # ascii(): a lone surrogate cannot be UTF-8 encoded
+            raise APIError(404, f"The model {model!a} does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
+
+    def max_chars(self, tokens: int) -> int | None:
+        """The most characters a text of `tokens` tokens can have (None: no such bound): no token covers
+        more characters than it has bytes, so a longer text is refused before it is tokenized (a 4 MB
+        prompt took 24 s to tokenize before it was refused, probe round 4, M4). A tokenizer that fuses
+        runs of unknown characters into one token has no such bound."""
+        if getattr(self, "_token_bytes", None) is None:
+            tok = self.tokenizer
+            fused = getattr(tok, "fuse_unk", False) and getattr(tok, "unk_token_id", None) is not None
+            vocab = getattr(tok, "vocab", None)
+            added = getattr(tok, "added_tokens", {}) or {}
+            longest = max([len(b) for b in vocab or ()] + [len(t) for t in added] + [1])
+            self._token_bytes = 0 if fused or not vocab else longest
+        return None if not self._token_bytes else tokens * self._token_bytes
+
+    def check_text_length(self, name: str, chars: int, tokens: int, why: str, param: str,
+                          code: str = "context_length_exceeded") -> None:
+        """A 400 when `chars` characters cannot fit in `tokens` tokens (max_chars), before tokenizing."""
+        limit = self.max_chars(tokens)
+        if limit is not None and chars > limit:
+            raise APIError(400, f"{name} is {chars} characters long, more than {tokens} tokens ({why}) can hold: at "
+                           f"most {limit} characters ({self._token_bytes} per token, this tokenizer's longest)",
+                           param=param, code=code)
 
     def sampling_params(self, request, renames: dict[str, str] | None = None) -> SamplingParams:
         """request -> SamplingParams; a value SamplingParams refuses is a 400 naming its field (under
@@ -123,6 +154,8 @@ class OpenAIServing:
             except (ValueError, TypeError) as e:
                 message = str(e).replace(f"request {rid!r}", name)
                 raise APIError(400, message, param="n" if " n=" in message else _param_of(message)) from None
+            if out:  # one stop list for all the prompts, not a copy each (the check copies the params)
+                checked.stop = out[0][2].stop
             out.append((rid, ids, checked))
         return out
 
@@ -196,6 +229,10 @@ class OpenAIServing:
                         events = []
         except APIError as error:
             events.append(sse_error(error))  # after the events of the deltas before it
+            yield "".join(events)
+        except Exception as e:  # a bug while making a chunk: the client still gets an error event and [DONE]
+            logger.error("a stream failed: %s: %s", type(e).__name__, e, exc_info=logger.isEnabledFor(logging.DEBUG))
+            events.append(sse_error(APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")))
             yield "".join(events)
         else:
             if (payload := last(generated)) is not None:
