@@ -61,6 +61,7 @@ from .scheduler import Scheduler, SchedulerOutput
 from .spec_decode_steps import SpecDecodeSteps
 from .stats import EngineStats
 from .step_input import prepare_decode_input, prepare_model_input, sampling_input
+from .structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         if bad:  # a sequence could never stop on them, and banning them before min_tokens would fail
             raise ValueError(f"eos_token_ids {bad} are not token ids of this model (0..{vocab - 1})")
         self.eos_token_ids = list(eos_token_ids)
+        self.structured = StructuredOutputManager(tokenizer, vocab, self.eos_token_ids)  # chapter 14
         self.spec_config = spec = config.speculative_config
         if executor is None:  # the model in this process (chapter 11 passes one worker per GPU instead)
             draft = None
@@ -163,6 +165,8 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         # edit them again while the request runs; the engine's copy stays what was checked.
         params = copy.copy(params)  # verify() below puts new lists in place of stop and stop_token_ids
         params.verify(self.model.config.vocab_size)
+        if params.structured_outputs is not None:  # a bad schema is refused here, naming the field
+            self.structured.compile(params.structured_outputs, f"request {request_id!r}")
         text, ids = prompt_ids(self.tokenizer, self.model.config.vocab_size, prompt, f"request {request_id!r}")
         check_length(f"request {request_id!r}", len(ids), params, self.max_model_len)
         longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
@@ -197,9 +201,14 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         self.groups[request_id] = group
         if needs_host_sampling(params):
             self._host_sampled.add(request_id)
+        compiled = None
+        if params.structured_outputs is not None:  # compiled at the check: a cache hit now
+            compiled = self.structured.compile(params.structured_outputs, name)
         for s in seqs:
             s.seq_id = next(self._seq_ids)
             self._group_of[s.seq_id] = group
+            if compiled is not None:
+                self.structured.add(s.seq_id, compiled)
         self.scheduler.add(seqs[0], priority, next(self._arrivals), fanout=len(seqs))
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
@@ -219,6 +228,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
                 if not s.finished:
                     self.scheduler.abort(s)
                 self._group_of.pop(s.seq_id, None)
+                self.structured.remove(s.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -246,7 +256,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         logits_indices, samplers = self._logits_rows(sched)
         seqs, rows = self._sampling_order(sched, samplers)
         step = self._prepare(sched, logits_indices)
-        step.sampling = sampling_input(seqs, rows) if seqs else None
+        step.sampling = sampling_input(seqs, rows, bitmask=self.structured.bitmask(seqs)) if seqs else None
         try:
             out = self.executor.execute_model(step)
         except Exception as e:  # the forward pass concerns every scheduled request
@@ -340,6 +350,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
                 if seq.spec_token_ids:
                     self._append_verified(seq, tokens)
                     continue
+                self.structured.accept(seq.seq_id, tokens[0])  # its grammar moves on (chapter 14)
                 lp = logprobs[i] if logprobs is not None else None
                 if lp is None:
                     seq.append(tokens[0])
@@ -374,6 +385,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
                 self._host_sampled.discard(group.request_id)
                 for s in group.seqs:
                     self._group_of.pop(s.seq_id, None)
+                    self.structured.remove(s.seq_id)
             if group.finished or unfinished_outputs:
                 outputs.append(group.to_output(self.has_proposer, self.detokenize))
         return outputs
@@ -390,6 +402,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
                 s.finish_reason = s.finish_reason or "error"
                 self.scheduler.abort(s)
                 self._group_of.pop(s.seq_id, None)
+                self.structured.remove(s.seq_id)
             self.groups.pop(group.request_id, None)
             self._host_sampled.discard(group.request_id)
             group.metrics.finished_time = time.perf_counter()

@@ -48,7 +48,8 @@ class InflightStep:
 
 def needs_host_sampling(params) -> bool:
     """A request the overlapped step cannot serve, for its whole life (see the module docstring)."""
-    return not device_samplable(params, 0)
+    # (a grammar's next mask needs the token just sampled: engine/structured_output.py)
+    return not device_samplable(params, 0) or params.structured_outputs is not None
 
 
 class OverlapSteps:

@@ -20,6 +20,9 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass, field
+from typing import Any
+
+from ..structured_output.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 # A request's stop list is matched in the engine's step and travels with each of its prompts to the
@@ -52,6 +55,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # return the log-probabilities of this many top tokens per step
     skip_special_tokens: bool = True
+    structured_outputs: Any = None  # StructuredOutputsParams (or its fields as a dict): chapter 14
 
     def __post_init__(self):
         self.verify()
@@ -103,6 +107,20 @@ class SamplingParams:
             _int(f"stop_token_ids[{i}]", t, 0)
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if isinstance(self.structured_outputs, dict):  # vLLM's extra body field, as JSON gives it
+            fields = self.structured_outputs
+            unknown = sorted(set(fields) - {"json", "regex", "choice", "grammar", "json_object"})
+            if unknown:
+                raise ValueError(f"structured_outputs has unknown field(s) {unknown}; allowed: json, regex, "
+                                 "choice, grammar, json_object")
+            self.structured_outputs = StructuredOutputsParams(**fields)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise TypeError("structured_outputs must be a StructuredOutputsParams or a dict, not "
+                                f"{type(self.structured_outputs).__name__}")
+            if self.ignore_eos:
+                raise ValueError("structured_outputs cannot be combined with ignore_eos: a finished grammar "
+                                 "allows only EOS")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, not {type(getattr(self, name)).__name__}")

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ..structured_output.bitmask import apply_token_bitmask
+
 
 def apply_token_masks(logits: torch.Tensor, banned: list[list[int]] | None = None,
                       bitmask: torch.Tensor | None = None) -> torch.Tensor:
@@ -22,7 +24,7 @@ def apply_token_masks(logits: torch.Tensor, banned: list[list[int]] | None = Non
     of allowed tokens (None: all allowed)."""
     if banned is None and bitmask is None:
         return logits
-    V = logits.shape[1]
+    raw = logits
     if banned is not None:
         rows = [r for r, ids in enumerate(banned) for _ in ids]
         cols = [t for ids in banned for t in ids]
@@ -30,13 +32,6 @@ def apply_token_masks(logits: torch.Tensor, banned: list[list[int]] | None = Non
             logits = logits.index_put((torch.tensor(rows, device=logits.device),
                                        torch.tensor(cols, device=logits.device)),
                                       torch.tensor(float("-inf"), device=logits.device))
-    if bitmask is not None:
-        logits = logits.masked_fill(~unpack_bitmask(bitmask, V).to(logits.device), float("-inf"))
+    if bitmask is not None:  # a copy, masked in place: the raw logits stay for the logprobs
+        logits = apply_token_bitmask(logits.clone() if logits is raw else logits, bitmask)
     return logits
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, ceil(V / 32)] int32 -> [R, V] bool, True where the token is allowed."""
-    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)  # [32]
-    allowed = (bitmask[:, :, None] >> bits) & 1  # [R, W, 32]: bit j of word w
-    return allowed.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()  # [R, V]

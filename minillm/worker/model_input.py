@@ -46,6 +46,7 @@ class SamplingInput:
     output_ids: list[list[int]] | None = None  # [S] likewise
     draft_probs: Any = None  # per drafting sequence [k, V]: q of a model proposer (None: one-hot)
     on_device: bool = False  # overlap scheduling (chapter 13): tokens stay on the device
+    bitmask: Any = None  # [S, ceil(V / 32)] int32 numpy: each sequence's allowed tokens (chapter 14)
 
 
 @dataclass

@@ -58,7 +58,8 @@ class StepSampler:
     def __call__(self, logits: torch.Tensor, s: SamplingInput) -> ModelRunnerOutput:
         """logits [rows of the step, V] -> the tokens of every sequence s describes."""
         logits = _sequence_rows(logits, s)  # [R, V], each sequence's 1 + k rows together
-        masked = apply_token_masks(logits, _per_row(s.banned, s.num_draft))  # the one mask point
+        masked = apply_token_masks(logits, _per_row(s.banned, s.num_draft),  # the one mask point
+                                   _bitmask_rows(s, logits.device))
         if s.on_device:
             return ModelRunnerOutput([], pending=self.sample_device(masked, s))
         try:
@@ -165,6 +166,16 @@ def _per_row(banned: list[list[int]], num_draft: list[int]) -> list[list[int]] |
     if not any(banned):
         return None
     return [b for b, k in zip(banned, num_draft) for _ in range(k + 1)]
+
+
+def _bitmask_rows(s: SamplingInput, device) -> torch.Tensor | None:
+    """The grammars' bitmask [S, W] -> one row per logits row [R, W] on the device (None: no grammar)."""
+    if s.bitmask is None:
+        return None
+    mask = torch.from_numpy(s.bitmask)  # [S, W] int32
+    if any(s.num_draft):
+        mask = mask.repeat_interleave(torch.tensor([1 + k for k in s.num_draft]), dim=0)  # [R, W]
+    return mask.to(device, non_blocking=True)
 
 
 def _sequence_rows(logits: torch.Tensor, s: SamplingInput) -> torch.Tensor:
