@@ -183,7 +183,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def _internal_error(method: str, path: str, e: Exception) -> JSONResponse:
     # one line per failed request (a traceback each would flood the log); the traceback at debug level
-    logger.error("%s %s failed: %s: %s", method, path, type(e).__name__, e, exc_info=logger.isEnabledFor(logging.DEBUG))
+    # backslashreplace: an error that quotes a lone surrogate must still go through a UTF-8 log stream
+    text = str(e).encode("utf-8", "backslashreplace").decode("utf-8")
+    logger.error("%s %s failed: %s: %s", method, path, type(e).__name__, text, exc_info=logger.isEnabledFor(logging.DEBUG))
     return _error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
 

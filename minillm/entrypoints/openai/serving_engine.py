@@ -231,7 +231,8 @@ class OpenAIServing:
             events.append(sse_error(error))  # after the events of the deltas before it
             yield "".join(events)
         except Exception as e:  # a bug while making a chunk: the client still gets an error event and [DONE]
-            logger.error("a stream failed: %s: %s", type(e).__name__, e, exc_info=logger.isEnabledFor(logging.DEBUG))
+            text = str(e).encode("utf-8", "backslashreplace").decode("utf-8")  # a lone surrogate logs as \\ud800
+            logger.error("a stream failed: %s: %s", type(e).__name__, text, exc_info=logger.isEnabledFor(logging.DEBUG))
             events.append(sse_error(APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")))
             yield "".join(events)
         else:
