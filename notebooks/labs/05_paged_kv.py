@@ -20,7 +20,7 @@
 # (vLLM's PagedAttention, Kwon et al., 2023). Write the two pieces of bookkeeping that make it work:
 # where each token's K/V goes (the slot mapping), and who owns which block (an allocator with
 # reference counts and copy-on-write). The checks compare your code with minillm's
-# `prepare_model_input` (`minillm/worker/`) and `BlockManager` (`minillm/engine/`) on fresh random inputs.
+# `prepare_model_input` (`minillm/engine/step_input.py`) and `BlockManager` (`minillm/engine/`) on fresh random inputs.
 
 # %%
 from collections import deque
