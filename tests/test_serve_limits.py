@@ -166,7 +166,8 @@ def test_a_burst_of_20k_aborts_stalls_nobody(tiny_chat_model, tmp_path):
     alone took over 30 s (a scan of the waiting queue per abort) and the next user's request 22 s."""
     # a small running batch: the burst waits in the queue, and a step (which no abort can cut short) stays short
     with serve(tiny_chat_model, "--max-num-seqs", "4", "--max-prompts-per-request", str(BURST),
-               "--max-prompt-tokens-per-request", str(4 * BURST), log_dir=tmp_path) as server:
+               "--max-seqs-per-request", str(BURST), "--max-prompt-tokens-per-request", str(4 * BURST),
+               log_dir=tmp_path) as server:
         _small_request(server.base)
         alone = min(_small_request(server.base) for _ in range(3))
         body = json.dumps({"prompt": [[5 + i % 50, 6, 7] for i in range(BURST)], "max_tokens": 16}).encode()
@@ -187,8 +188,11 @@ def test_a_burst_of_20k_aborts_stalls_nobody(tiny_chat_model, tmp_path):
         poller.start()
         try:
             deadline = time.monotonic() + 180
+            sock.setblocking(False)
             while server.metrics()["minillm_num_requests_waiting"] < BURST // 2:  # queued in the engine
                 assert time.monotonic() < deadline, server.metrics()
+                with contextlib.suppress(BlockingIOError):  # an answer before the queue fills is a refusal
+                    pytest.fail(f"the burst was answered before it was queued: {sock.recv(4096)!r}")
                 time.sleep(0.05)
         finally:
             done.set()
