@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from .cache import KVCache
+from .forward_context import set_forward_context
 from .layers import AttentionMetadata
 from .sampling import Sampler, SamplingMetadata, SamplingParams
 from .sequence import Sequence, append_tokens, make_sequences, sequence_seed
@@ -43,7 +44,8 @@ def generate_sequences(model, tokenizer, prompt_ids: list[int], params: Sampling
         while active := [s for s in seqs if not s.finished]:
             input_ids, positions, meta = prepare_inputs(active, [slots[s.index] for s in active],
                                                         [num_computed[s.index] for s in active], cache, param.device)
-            hidden = model(input_ids, positions, meta)  # [T, hidden]
+            with set_forward_context(meta):
+                hidden = model(input_ids, positions, meta)  # [T, hidden]
             logits = model.compute_logits(hidden[meta.last_token_indices])  # [num_seqs, vocab]
             if cache is not None:
                 for s in active:

@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..forward_context import set_forward_context
 from ..layers import AttentionMetadata
 
 
@@ -156,7 +157,8 @@ class StepGraphs:
                                  block_table=self.table[:S], slot_mapping=slots)
 
         def forward() -> torch.Tensor:
-            hidden = self.model(ids, pos, meta)  # [T, hidden]
+            with set_forward_context(meta):  # read at capture; what a layer takes from it is a static buffer
+                hidden = self.model(ids, pos, meta)  # [T, hidden]
             return self.model.compute_logits(hidden[rows])  # [R, vocab] at the step's logits_indices
 
         # Warm-up, outside the capture: Triton compiles and autotunes here. It runs on the inputs in the

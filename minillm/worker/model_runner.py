@@ -14,6 +14,7 @@ import torch
 
 from ..cache.paged import PagedKVCache
 from ..cache.spec import cache_layers
+from ..forward_context import set_forward_context
 from ..layers import AttentionMetadata
 from ..layers.backend import get_kernel_mode
 from ..layers.quantization.kv_cache import ensure_kv_scales
@@ -46,7 +47,8 @@ def forward_packed(model, device, step: ModelInput, prev_tokens: torch.Tensor | 
     meta.slot_mapping = torch.tensor(step.slot_mapping, dtype=torch.int64, device=device)  # [T]
     input_ids = torch.tensor(step.input_ids, device=device)  # [T]
     take_prev_tokens(input_ids, step, prev_tokens)
-    hidden = model(input_ids, torch.tensor(step.positions, device=device), meta)  # [T, hidden]
+    with set_forward_context(meta):
+        hidden = model(input_ids, torch.tensor(step.positions, device=device), meta)  # [T, hidden]
     rows = torch.tensor(step.logits_indices, dtype=torch.long, device=device)  # [rows]
     return model.compute_logits(hidden[rows])  # [rows, vocab]
 
