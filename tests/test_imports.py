@@ -1,6 +1,7 @@
-"""No import cycles in minillm, and no function-level import that hides one (issue 27).
+"""No import cycles in minillm, no function-level import that hides one (issue 27), and no import
+from a layer above (issue 42).
 
-Three checks:
+Four checks:
 
 1. Every module of minillm (and minillm.kernels) is imported on its own, first, in a process that has
    imported no minillm module before. A cycle between modules shows only in some import orders (the
@@ -18,6 +19,10 @@ Three checks:
    loader/) are scanned with `ast` for import statements inside functions or classes. One is allowed
    only with a comment on its line that starts with `# lazy:` and gives a reason that is not a cycle:
    an optional dependency (`# lazy: optional dependency gguf`) or a heavy module only one path needs.
+
+4. The layering, as a table (LAYERS: entrypoints -> engine -> executor -> worker -> model -> layers ->
+   kernels -> base): every import of every module, function bodies included, goes to its own tier or
+   one below.
 """
 
 from __future__ import annotations
@@ -273,3 +278,83 @@ def test_the_scan_bites(tmp_path, line, ok):
     path = tmp_path / "probe.py"
     path.write_text(f"import os\n\n\ndef f():\n{line}\n    return os\n\n\nclass C:\n    x = 1\n")
     assert (unexplained_nested_imports(path) == []) == ok
+
+
+# ---- 4: the layers of the engine, as a table -------------------------------------------------------------
+# Top to bottom (issue 42): a module may import from its own tier and from any tier below it, never from one
+# above. Imports inside functions count too: a lazy import that reaches upward is the same dependency, late.
+# The most specific prefix decides a module's tier. `base` is what every tier may use (argument checks, the
+# tokenizer, file formats); minillm/__init__.py is the package's front door and sits on top.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("entrypoints", ("minillm", "minillm.__main__", "minillm.cli", "minillm.entrypoints", "minillm.llm",
+                     "minillm.bench", "minillm.labs", "minillm.eval", "minillm.notebook", "minillm.nbrun",
+                     "minillm.course", "minillm.course_status", "minillm.quantize")),
+    # the engine, and chapter 03 / chapter 11's one-request loops (engines of their own)
+    ("engine", ("minillm.engine", "minillm.inputs", "minillm.sequence", "minillm.outputs", "minillm.generation",
+                "minillm.distributed.greedy")),
+    ("executor", ("minillm.executor", "minillm.distributed.measure")),
+    ("worker", ("minillm.worker", "minillm.spec_decode")),
+    ("model", ("minillm.models", "minillm.loader")),
+    # the layers and what a forward pass reads: caches, sampling, token masks, the process group's collectives
+    ("layers", ("minillm.layers", "minillm.cache", "minillm.sampling", "minillm.structured_output",
+                "minillm.forward_context", "minillm.distributed")),
+    ("kernels", ("minillm.kernels",)),
+    ("base", ("minillm.checks", "minillm.hw", "minillm.model_files", "minillm.gguf_meta", "minillm.data",
+              "minillm.stop_strings", "minillm.tokenizer", "minillm.kv_memory", "minillm.config",
+              "minillm.models.registry")),
+]
+# Known upward edges, each with the step of issue 42 that removes it. The test fails when a new one appears
+# and when one listed here is gone (then delete its line: the table stays true).
+UPWARD_ALLOWED = {
+    ("minillm.spec_decode.proposer", "minillm.sequence"): "landing 3: the proposer's state moves into the worker",
+}
+
+
+def layer_of(module: str) -> int:
+    best = max(((len(p), i) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes
+                if module == p or module.startswith(p + ".")), default=None)
+    if best is None:
+        raise AssertionError(f"{module} is in no tier of LAYERS: add its prefix to the table")
+    return best[1]
+
+
+def all_imports(modules: dict[str, tuple[Path, bool]]) -> dict[str, set[str]]:
+    """module -> every minillm module it imports anywhere in the file (function bodies included)."""
+    out = {}
+    for name, (path, is_pkg) in modules.items():
+        here = name if is_pkg else name.rpartition(".")[0]
+        edges = out[name] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = ".".join(here.split(".")[:len(here.split(".")) - node.level + 1]) if node.level else ""
+                base = ".".join(filter(None, (base, node.module)))
+                edges.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
+            elif isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names)
+        edges &= set(modules)
+    return out
+
+
+def upward_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    return {(m, t) for m, targets in graph.items() for t in targets if layer_of(t) < layer_of(m)}
+
+
+def test_no_module_imports_from_a_layer_above_it():
+    graph = all_imports(module_files())
+    found = upward_edges(graph)
+    new = sorted(found - set(UPWARD_ALLOWED))
+    show = "\n".join(f"  {m} ({LAYERS[layer_of(m)][0]}) -> {t} ({LAYERS[layer_of(t)][0]})" for m, t in new)
+    assert not new, f"imports from a layer above (the table is LAYERS in tests/test_imports.py):\n{show}"
+    gone = sorted(set(UPWARD_ALLOWED) - found)
+    assert not gone, f"no longer imported, delete from UPWARD_ALLOWED: {gone}"
+
+
+def test_the_layer_check_bites():
+    """A worker module that imports the engine, and a layer that imports a model, are both caught."""
+    graph = {"minillm.worker.x": {"minillm.engine.scheduler", "minillm.layers.linear"},
+             "minillm.layers.y": {"minillm.models.llama", "minillm.kernels.rope", "minillm.checks"},
+             "minillm.engine.z": {"minillm.worker.worker", "minillm.config"}}
+    assert upward_edges(graph) == {("minillm.worker.x", "minillm.engine.scheduler"),
+                                   ("minillm.layers.y", "minillm.models.llama")}
+    with pytest.raises(AssertionError, match="in no tier"):
+        layer_of("somewhere.else")
