@@ -158,6 +158,49 @@ def test_a_dead_worker_ends_in_a_clear_error_not_a_hang(tiny):
     assert not model_parallel_is_initialized()
 
 
+@pytest.mark.slow
+def test_engines_of_different_sizes_come_and_go_in_one_process(tmp_path):
+    """Issue 50: four engines in one process (TP 2, 3, 1, 2), each ended a different way (shutdown(),
+    `with`, `del` and garbage collection, `del` alone): each starts, makes the TP=1 tokens and leaves
+    the group, so the next one may take any size. Before the fix the executor's atexit hook kept a
+    deleted engine's group alive and the next start was refused."""
+    import gc
+
+    model = make_tiny("llama3", tmp_path / "six-heads", num_attention_heads=6, num_key_value_heads=6,
+                      hidden_size=96, intermediate_size=96)  # 6 heads, 96 features: sizes 1, 2 and 3 divide them
+    prompts, steps = _prompts(random.randrange(1 << 30))[:3], 8
+    with LLM(model, **ENGINE) as ref:
+        want = _greedy(ref, prompts, steps, logprobs=2)
+    for tp, ending in [(2, "shutdown"), (3, "with"), (1, "del+gc"), (2, "del")]:
+        start = time.monotonic()
+        if ending == "with":
+            with LLM(model, tensor_parallel_size=tp, **ENGINE) as llm:
+                got = _greedy(llm, prompts, steps)
+        else:
+            llm = LLM(model, tensor_parallel_size=tp, **ENGINE)
+            got = _greedy(llm, prompts, steps)
+            procs = getattr(llm.engine.executor, "procs", [])
+            if ending == "shutdown":
+                llm.shutdown()
+            del llm
+            if ending == "del+gc":
+                gc.collect()
+            assert all(p.poll() is not None for p in procs), f"TP={tp} ended by {ending}: its ranks still run"
+        assert_tokens_until_ties(want, got, steps)
+        assert not model_parallel_is_initialized(), f"TP={tp} ended by {ending} left its group behind"
+        assert time.monotonic() - start < 120, f"TP={tp} took {time.monotonic() - start:.0f} s"
+
+
+def test_a_second_live_tp_engine_is_refused_clearly(tiny):
+    """One tensor-parallel group per process: a second engine while the first lives is refused at once,
+    naming what to do, and the first keeps working."""
+    with LLM(tiny, tensor_parallel_size=2, **ENGINE) as first:
+        with pytest.raises(RuntimeError, match="already running in this process"):
+            LLM(tiny, tensor_parallel_size=2, **ENGINE)
+        assert len(_greedy(first, _prompts(4)[:1], 3)[0].token_ids) == 3
+    assert not model_parallel_is_initialized()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
     (dict(tensor_parallel_size=2.0), "tensor_parallel_size must be a positive integer"),

@@ -24,11 +24,11 @@ that call and exit when it shuts down (gpt-fast's way of starting ranks).
 
 from __future__ import annotations
 
-import atexit
 import os
 import pickle
 import subprocess
 import sys
+import weakref
 
 import torch
 
@@ -136,23 +136,62 @@ def stop_workers(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> None
     destroy_distributed_environment()
 
 
+class _Ranks:
+    """What stopping the other ranks needs, apart from the executor: a weakref.finalize holds this, not
+    the executor, so an executor that is garbage-collected (`del llm`) still stops its ranks and leaves
+    the group, and the next engine in this process can start its own (of any size)."""
+
+    def __init__(self, procs: list[subprocess.Popen], group):
+        self.procs, self.group = procs, group
+        self.failed: BaseException | None = None
+
+    def dead(self) -> str | None:
+        dead = [(r, p.returncode) for r, p in enumerate(self.procs, start=1) if p.poll() is not None]
+        return ", ".join(f"rank {r} exited with code {c}" for r, c in dead) or None
+
+    def stop(self) -> None:
+        """Tell every rank to let its memory go and exit; wait for them; leave the group. Runs once
+        (weakref.finalize): at shutdown(), when the executor is collected, or at interpreter exit."""
+        if not model_parallel_is_initialized() or get_tp_group() is not self.group:
+            return  # left already (a torchrun script's own teardown)
+        if self.failed is None and self.dead() is None:
+            try:
+                self.group.broadcast_object(("shutdown", ()), src=0)
+            except Exception:  # a rank died meanwhile: the kill below ends the others
+                self.failed = RuntimeError("a rank left during shutdown")
+        if self.failed is not None:
+            for p in self.procs:
+                p.kill()
+        stop_workers(self.procs)
+
+
 class MultiprocExecutor(Executor):
     def __init__(self, procs: list[subprocess.Popen], model, config):
         check_tp_engine(config)
         self.procs, self.config, self.group = procs, config, get_tp_group()
-        self.failed: BaseException | None = None
+        self.ranks = _Ranks(procs, self.group)
         self.worker = Worker(model, config)
         self.sizes = self.worker.sizes
-        atexit.register(self.shutdown)  # a script that ends without shutdown() still stops its ranks cleanly
+        # not atexit.register(self.shutdown): that would keep the executor alive until exit
+        self._stop = weakref.finalize(self, self.ranks.stop)
+
+    @property
+    def failed(self) -> BaseException | None:
+        return self.ranks.failed
+
+    @failed.setter
+    def failed(self, e: BaseException | None) -> None:
+        self.ranks.failed = e
 
     def _dead(self) -> str | None:
-        dead = [(r, p.returncode) for r, p in enumerate(self.procs, start=1) if p.poll() is not None]
-        return ", ".join(f"rank {r} exited with code {c}" for r, c in dead) or None
+        return self.ranks.dead()
 
     def _call(self, method: str, *args, local=None):
         """Send (method, args) to every rank, then run `local` (or the same method) on rank 0's worker."""
         if self.failed is not None:
             raise RuntimeError(f"the tensor-parallel group failed earlier ({self.failed}); start a new engine")
+        if not self._stop.alive:
+            raise RuntimeError("this engine was shut down; start a new one")
         try:
             if (dead := self._dead()) is not None:
                 raise RuntimeError(f"a tensor-parallel worker died: {dead}")
@@ -198,17 +237,7 @@ class MultiprocExecutor(Executor):
         self._call("capture_token_buckets", self.sizes.max_model_len)
 
     def shutdown(self) -> None:
-        """Tell every rank to let its memory go and exit; wait for them; leave the group."""
-        if not model_parallel_is_initialized():
-            return  # shut down already
-        if self.failed is None and self._dead() is None:
-            try:
-                self.group.broadcast_object(("shutdown", ()), src=0)
-            except Exception:  # a rank died meanwhile: the kill below ends the others
-                pass
-        atexit.unregister(self.shutdown)
-        self.worker.shutdown()
-        if self.failed is not None:
-            for p in self.procs:
-                p.kill()
-        stop_workers(self.procs)
+        """Let rank 0's memory go, then stop the other ranks and leave the group (once)."""
+        if self._stop.alive:
+            self.worker.shutdown()
+        self._stop()
