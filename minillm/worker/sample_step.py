@@ -95,16 +95,17 @@ class StepSampler:
         plain = [j for j, k in enumerate(num_draft) if not k]
         spec = [j for j, k in enumerate(num_draft) if k]
         tokens: list[list[int]] = [[] for _ in seqs]
-        if plain:
+        logprobs: list = [None] * len(seqs)  # a verified sequence has none (logprobs never draft)
+        if plain:  # sequences without drafts this step, logprobs and all
             at = torch.tensor([starts[j] for j in plain], device=raw.device)
-            got, _ = self._sample_plain(raw[at], masked[at], s, [seqs[j] for j in plain])
-            for j, t in zip(plain, got):
-                tokens[j] = t
+            got, lps = self._sample_plain(raw[at], masked[at], s, [seqs[j] for j in plain])
+            for j, t, lp in zip(plain, got, lps):
+                tokens[j], logprobs[j] = t, lp
         at = torch.tensor([r for j in spec for r in range(starts[j], starts[j + 1])], device=raw.device)
         emitted = self._verify(masked[at], s, [seqs[j] for j in spec])
         for j, t in zip(spec, emitted):
             tokens[j] = t
-        return tokens, [None] * len(seqs)
+        return tokens, logprobs
 
     def _sample_plain(self, raw, masked, s: SamplingInput, seqs: list[int]):
         """One row each: the greedy fast path, else the Sampler (logprobs from the raw logits)."""
@@ -146,6 +147,15 @@ class StepSampler:
             self._pinned.reverse()
             buffer = self._pinned[0]
         return sample_on_device(masked, s.params, s.seeds, s.steps, buffer)
+
+
+def sample_step(sampler: StepSampler, logits: torch.Tensor, sampling: SamplingInput | None):
+    """A step's logits -> (its ModelRunnerOutput, the tokens left on the device for the next step or
+    None): the worker's last stage, and the fake executor's (executor/fake.py)."""
+    if sampling is None:  # the step asked for its logits (tests, labs, chapter 09's bench)
+        return ModelRunnerOutput([], logits=logits), None
+    out = sampler(logits, sampling)
+    return out, (out.pending.next_input if out.pending is not None else None)
 
 
 def _starts(num_draft: list[int]) -> list[int]:

@@ -24,7 +24,7 @@ import torch
 from ..cache.paged import PagedKVCache
 from .model_input import ModelInput, ModelRunnerOutput
 from .model_runner import ModelRunner
-from .sample_step import StepSampler
+from .sample_step import StepSampler, sample_step
 
 
 class Worker:
@@ -69,11 +69,8 @@ class Worker:
         logits = self.runner.execute(step, self.last_sampled if prev_tokens is None else prev_tokens)
         if not sample:
             return None
-        if step.sampling is None:
-            return ModelRunnerOutput([], logits=logits)
-        out = self.sampler(logits, step.sampling)
-        if out.pending is not None:
-            self.last_sampled = out.pending.next_input
+        out, on_device = sample_step(self.sampler, logits, step.sampling)
+        self.last_sampled = on_device if on_device is not None else self.last_sampled
         return out
 
     def swap_and_copy(self, swap_out, swap_in, copies) -> None:
