@@ -218,14 +218,14 @@ def make_tiny_eos_model(folder: Path, template: str = CHAT_TEMPLATE) -> Path:
 
 
 @contextlib.contextmanager
-def app_client(folder, **engine_args):
-    """An in-process server on `folder` (a TestClient), once /health says 200."""
+def app_client(folder, engine_core: str = "thread", **engine_args):
+    """An in-process server on `folder` (a TestClient), once /health says 200; engine_args go to LLM."""
     from fastapi.testclient import TestClient
 
     from minillm.engine.async_llm_engine import AsyncLLMEngine
     from minillm.entrypoints.openai.api_server import build_app
 
-    app = build_app(AsyncLLMEngine(partial(build_engine, str(folder), **engine_args)), "tiny")
+    app = build_app(AsyncLLMEngine(partial(build_engine, str(folder), **engine_args), engine_core=engine_core), "tiny")
     with TestClient(app, raise_server_exceptions=False) as http:
         deadline = time.monotonic() + 60
         while http.get("/health").status_code != 200:

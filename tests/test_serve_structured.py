@@ -166,3 +166,19 @@ def test_bad_specs_are_400s_naming_the_field(client, extra, param, words):
             assert w in error["message"], (w, error)
     ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})  # and it keeps serving
     assert ok.status_code == 200
+
+
+@pytest.mark.slow
+def test_an_engine_core_process_with_the_xgrammar_backend(tmp_path):
+    """`minillm serve`'s default: the engine in a child process, the request checked in the API process
+    (EngineView's own manager), here with structured_outputs_backend="xgrammar"."""
+    folder = make_tiny_eos_model(tmp_path / "m")
+    with app_client(folder, engine_core="process", structured_outputs_backend="xgrammar") as http:
+        r = http.post("/v1/chat/completions", json=_chat({"structured_outputs": {"regex": "a(b"}}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs.regex", r.text
+        assert "parenthesis is not closed" in r.json()["error"]["message"]  # xgrammar's own words
+        # SCHEMAS[1]: xgrammar 0.2.9 lets raw control characters into maxLength strings (SCHEMAS[0]),
+        # which is not JSON text (xgrammar_backend.py)
+        rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMAS[1]}}
+        out = _post(http, "/v1/chat/completions", _chat({"response_format": rf, "temperature": 0}))
+        jsonschema.validate(json.loads(out["choices"][0]["message"]["content"]), SCHEMAS[1])

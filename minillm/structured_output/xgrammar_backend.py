@@ -10,7 +10,9 @@ Ours teaches; xgrammar is the fast path for users (its compiler and masks are C+
 vocabulary: TokenVocab's token bytes, its excluded tokens (special tokens) handed to xgrammar as empty
 ones, which it never allows, and the same stop ids. The languages are the same as ours (compact JSON,
 ", " and ": " separators, properties in order) except where xgrammar 0.2.9 departs from valid JSON text
-(peer.py and json_schema.py list the departures: surrogates and raw control characters in some strings).
+(peer.py and json_schema.py list the departures): its strings admit the surrogates U+D800..U+DFFF as
+bytes, and a string with minLength/maxLength admits raw control characters (a tiny random model writes
+{"name": "\x12\x12"}, which json.loads refuses unless strict=False). Ours keeps to JSON text.
 
 xgrammar is an optional dependency: imported only when this backend is chosen, and a clear ImportError
 naming the package when it is not installed.
