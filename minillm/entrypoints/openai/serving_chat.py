@@ -17,11 +17,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ...outputs import Logprob
+from .hermes_tool_parser import HermesToolParser, parse_all
 from .protocol import (
     AssistantMessage,
     ChatCompletionLogProbs,
@@ -51,7 +53,7 @@ class OpenAIServingChat(OpenAIServing):
         plan = tool_plan(request.tools, request.tool_choice, request.parallel_tool_calls,
                          self.engine.engine.structured.compiler.check, self._renders_tools)
         structured = structured_outputs_of(request.response_format, request.structured_outputs)
-        if plan is not None:
+        if plan is not None and plan.params is not None:  # "auto" has no grammar of its own
             if structured[0] is not None:
                 raise APIError(400, "tool calls have a grammar of their own: leave out response_format and "
                                "structured_outputs, or set tool_choice to \"none\"", param="tool_choice")
@@ -85,8 +87,8 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name, usage=usage([len(ids)], generated),
             choices=[ChatCompletionResponseChoice(
-                index=i, message=self._message("".join(c.text), plan),
-                finish_reason=c.finish_reason if plan is None else finish_reason(c.finish_reason),
+                index=i, message=(message := self._message("".join(c.text), plan)),
+                finish_reason=c.finish_reason if not message.tool_calls else finish_reason(c.finish_reason),
                 stop_reason=c.stop_reason, logprobs=self._logprobs(c.token_ids, c.logprobs, params.logprobs))
                 for i, c in enumerate(choices)])
 
@@ -94,6 +96,10 @@ class OpenAIServingChat(OpenAIServing):
     def _message(text: str, plan: ToolPlan | None) -> AssistantMessage:
         if plan is None:
             return AssistantMessage(content=text)
+        if plan.mode == "auto":
+            content, calls = parse_all(text)
+            return AssistantMessage(content=content, tool_calls=[ToolCall(**{k: c[k] for k in ("id", "type", "function")})
+                                                                 for c in calls])
         parser = ToolCallParser(plan)
         parser.feed(text)
         return AssistantMessage(content=None, tool_calls=[ToolCall(**c) for c in parser.tool_calls()])
@@ -125,9 +131,13 @@ class OpenAIServingChat(OpenAIServing):
         frame = ChunkFrame("chat.completion.chunk", request_id, created, self.model_name)
         # the role first, as OpenAI does
         roles = [frame.chat(i, "", None, None, role="assistant") for i in range(params.n)]
-        parsers = [ToolCallParser(plan) for _ in range(params.n)] if plan is not None else None
+        auto = plan is not None and plan.mode == "auto"
+        parsers = None if plan is None else [(HermesToolParser if auto else partial(ToolCallParser, plan))()
+                                             for _ in range(params.n)]
 
         def chunk(_: int, out) -> str | None:
+            if auto:
+                return self._auto_chunk(request_id, created, parsers[out.index], out, params.logprobs)
             if parsers is not None:  # tool calls: their deltas, not the text
                 calls = parsers[out.index].feed(out.text or "")
                 reason = finish_reason(out.finish_reason)
@@ -148,6 +158,21 @@ class OpenAIServingChat(OpenAIServing):
             return self._chunk(request_id, created, [], usage([len(ids)], generated)) if include_usage else None
 
         return self.sse_stream(requests, chunk, last, first=roles, timing=(request_id, marks))
+
+    def _auto_chunk(self, request_id: str, created: int, parser: HermesToolParser, out, top) -> str | None:
+        """tool_choice "auto": the text as content, but calls (Hermes' blocks) as tool_calls deltas."""
+        content, calls = parser.feed(out.text or "")
+        reason = out.finish_reason
+        if reason is not None:
+            rest, _ = parser.finish()
+            content += rest
+            reason = finish_reason(reason) if parser.num_calls else reason
+        if not content and not calls and reason is None and out.logprobs is None:
+            return None  # held back: it may be the start of a call
+        return self._chunk(request_id, created, [ChatCompletionStreamChoice(
+            index=out.index, delta=DeltaMessage(content=content or None, tool_calls=calls or None),
+            logprobs=self._logprobs(out.token_ids, out.logprobs, top), finish_reason=reason,
+            stop_reason=out.stop_reason)])
 
     def _chunk(self, request_id: str, created: int, choices, usage_info=None) -> str:
         return ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,

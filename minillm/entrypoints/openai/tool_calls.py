@@ -19,11 +19,11 @@ follow, and the output becomes `message.tool_calls` (streamed: `delta.tool_calls
     tool_choice = "none"
         the tools are ignored (free text); the template still sees them, as in vLLM.
     tool_choice = "auto" (the default when tools are given)
-        the model decides whether to call, in its own format: that needs a template that renders tools
-        and a parser for the model's call format. minillm has no such parser, so "auto" is a 400 that
-        says which choices work, as vLLM answers a server started without --enable-auto-tool-choice
-        ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'); the message
-        says whether this model's template renders tools at all.
+        the model decides whether to call, in its own format, free text: only a model whose chat template
+        renders the tools has been shown them, so only then is it served; the calls are read in Hermes'
+        format (hermes_tool_parser.py, vLLM's `--tool-call-parser hermes`). A template that does not
+        render tools is a 400 that says which choices work, as vLLM answers a server started without a
+        tool-call parser ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser').
 
 The calls are read out of the text by ToolCallParser, the same way for a streamed and a non-streamed
 answer, so the two carry the same calls and the deltas of a stream join to the same arguments.
@@ -45,9 +45,9 @@ from .structured import _NAME, request_field
 class ToolPlan:
     """What a tools request asks: the grammar, and how to read the output back."""
 
-    mode: str  # "named" (the output is one function's arguments) or "required" (a list of calls)
+    mode: str  # "named" (one function's arguments), "required" (a list of calls) or "auto" (free text)
     name: str | None  # the named function
-    params: StructuredOutputsParams
+    params: StructuredOutputsParams | None  # None for "auto": no grammar
 
 
 def tool_plan(tools, tool_choice, parallel_tool_calls: bool, check, renders_tools) -> ToolPlan | None:
@@ -64,11 +64,12 @@ def tool_plan(tools, tool_choice, parallel_tool_calls: bool, check, renders_tool
     if tool_choice == "none":
         return None
     if tool_choice == "auto":
-        renders = "renders tools, but" if renders_tools() else "does not render tools, and"
-        raise BadField("tool_choice", f'tool_choice "auto" lets the model decide in its own call format; this '
-                       f"model's chat template {renders} minillm has no parser for a model's call format: use "
-                       f'tool_choice "required", a named function {{"type": "function", "function": {{"name": ...}}}},'
-                       f' or "none"')
+        if renders_tools():
+            return ToolPlan("auto", None, None)
+        raise BadField("tool_choice", 'tool_choice "auto" lets the model decide whether to call a tool, but this '
+                       "model's chat template does not render tools, so the model is never shown them: use "
+                       'tool_choice "required", a named function {"type": "function", "function": {"name": ...}},'
+                       ' or "none"')
     if tool_choice == "required":
         return ToolPlan("required", None, StructuredOutputsParams(json=required_schema(functions, parallel_tool_calls)))
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" \
