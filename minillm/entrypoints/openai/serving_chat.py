@@ -60,14 +60,14 @@ class OpenAIServingChat(OpenAIServing):
             structured = (plan.params, "tools")
         params = self.sampling_params(request, _RENAMES, structured)
         conversation = request.conversation()
-        extra = {}
-        if request.tools:
-            self._check_no_control_text(request.tools, "tools")
+        extra, chars = {}, 0
+        if request.tools:  # the template renders them: they count as text to render, and must be safe text
+            chars += self._check_no_control_text(request.tools, "tools")
             extra["tools"] = request.tools
         for i, m in enumerate(conversation):
             if "tool_calls" in m:
-                self._check_no_control_text(m["tool_calls"], f"messages[{i}].tool_calls")
-        chars = sum(len(m["content"]) for m in conversation)
+                chars += self._check_no_control_text(m["tool_calls"], f"messages[{i}].tool_calls")
+        chars += sum(len(m["content"]) for m in conversation)
         self.check_text_length("the conversation", chars, self.engine.engine.max_model_len, "the model's context",
                                "messages")
         # the messages count too: 120,000 empty ones took the template 1.25 s (probe round 4, M3)
@@ -115,15 +115,15 @@ class OpenAIServingChat(OpenAIServing):
             self._template_tools = "minillm_probe_tool" in text
         return self._template_tools
 
-    def _check_no_control_text(self, value, field: str) -> None:
-        """A 400 if any text in `value` spells a control token: the template renders it as trusted text."""
-        control = self.tokenizer._added_splitter(frozenset(self.tokenizer.special_tokens))
-        if control is None:
-            return
+    def _check_no_control_text(self, value, field: str) -> int:
+        """A 400 if any text in `value` spells a control token: the template renders it as trusted text.
+        -> the length of its JSON text."""
         text = json.dumps(value, ensure_ascii=False)
-        if (m := control.search(text)) is not None:
+        control = self.tokenizer._added_splitter(frozenset(self.tokenizer.special_tokens))
+        if control is not None and (m := control.search(text)) is not None:
             raise APIError(400, f"{field} contains the control token {m.group()!r}; the chat template renders it as "
                            f"its own markup, so it could end a turn or forge one: remove it", param=field)
+        return len(text)
 
     def _stream(self, request_id: str, created: int, requests, include_usage: bool,
                 marks: dict, plan: ToolPlan | None = None) -> AsyncIterator[str]:
