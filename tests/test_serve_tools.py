@@ -252,3 +252,17 @@ def test_required_schema_hoists_each_tools_defs():
         jsonschema.validate([{"name": "a", "arguments": {"tz": "pst"}}], schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "c", "arguments": {}}], schema)
+
+
+def test_the_openai_client_reads_the_calls(client):
+    """The official `openai` client (chapter 12's oracle) parses our tool calls, whole and streamed."""
+    openai = pytest.importorskip("openai")
+    c = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client)
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=TOOLS, temperature=0, max_tokens=60,
+                  tool_choice={"type": "function", "function": {"name": "ping"}})
+    r = c.chat.completions.create(**kwargs)
+    [call] = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "ping" and call.function.arguments == "{}"
+    deltas = [d for ch in c.chat.completions.create(**kwargs, stream=True) if ch.choices
+              for d in ch.choices[0].delta.tool_calls or []]
+    assert deltas[0].function.name == "ping" and "".join(d.function.arguments for d in deltas) == "{}"
