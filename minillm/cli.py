@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:  # ImportError: an optional package missing
         print(f"minillm: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C before the chat loop, or in another command

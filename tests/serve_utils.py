@@ -153,10 +153,10 @@ def gone(pid: int, timeout: float = 10.0) -> bool:
 
 # ---- engine factories for AsyncLLMEngine (module-level, so they pickle into an engine core process) ----
 
-def build_engine(folder: str):
+def build_engine(folder: str, **engine_args):
     from minillm import LLM
 
-    return LLM(folder, device="cpu").engine
+    return LLM(folder, device="cpu", **engine_args).engine
 
 
 def engine_factory(folder) -> partial:
@@ -204,3 +204,31 @@ def poisoned_forward(folder: str):
     engine.scheduler.schedule = schedule_and_remember
     executor.execute_model = execute
     return engine
+
+
+# ---- an in-process server (FastAPI's TestClient) on a tiny model whose EOS is a special token ------
+
+def make_tiny_eos_model(folder: Path, template: str = CHAT_TEMPLATE) -> Path:
+    """The tiny chat model with EOS = its special token <|end|> (id 319): the default EOS, id 2, is the
+    plain byte 0x02, whose text would end every output that stops (structured-output tests compare
+    whole texts)."""
+    make_tiny("llama3", folder, max_position_embeddings=CONTEXT, eos_token_id=319)
+    (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
+@contextlib.contextmanager
+def app_client(folder, engine_core: str = "thread", **engine_args):
+    """An in-process server on `folder` (a TestClient), once /health says 200; engine_args go to LLM."""
+    from fastapi.testclient import TestClient
+
+    from minillm.engine.async_llm_engine import AsyncLLMEngine
+    from minillm.entrypoints.openai.api_server import build_app
+
+    app = build_app(AsyncLLMEngine(partial(build_engine, str(folder), **engine_args), engine_core=engine_core), "tiny")
+    with TestClient(app, raise_server_exceptions=False) as http:
+        deadline = time.monotonic() + 60
+        while http.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        yield http

@@ -12,6 +12,7 @@ from ..cache import KVCacheSpec, PagedKVCache, kv_cache_spec
 from ..checks import check_choice, check_int, is_int
 from ..layers.quantization.kv_cache import check_kv_cache_device, kv_cache_torch_dtype
 from ..spec_decode.config import SpeculativeConfig
+from ..structured_output.xgrammar_backend import import_xgrammar
 
 CPU_KV_CACHE_BYTES = 512 * 2**20  # KV pool on a CPU when num_gpu_blocks is not given
 MAX_SWAP_SPACE_GIB = 1 << 20  # a sanity bound (1 PiB): anything above is a typo, and inf cannot be sized
@@ -49,6 +50,9 @@ class EngineConfig:
     # Steps of requests that need the host's view of every token (logprobs, penalties, min_tokens) and
     # speculative decoding run without it.
     async_scheduling: bool | None = None
+    # structured output (chapter 14; vLLM's name): whose compiler and matcher fill the token bitmask,
+    # "minillm" (ours, structured_output/) or "xgrammar" (the PyPI package), behind the same mask point
+    structured_outputs_backend: str = "minillm"
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_batch"):
@@ -78,6 +82,9 @@ class EngineConfig:
             raise TypeError(f"enforce_eager must be True or False, not {self.enforce_eager!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise TypeError(f"async_scheduling must be True, False or None (auto), not {self.async_scheduling!r}")
+        check_choice("structured_outputs_backend", self.structured_outputs_backend, ("minillm", "xgrammar"))
+        if self.structured_outputs_backend == "xgrammar":  # not installed: say so before any model loads
+            import_xgrammar()
         kv_cache_torch_dtype(self.kv_cache_dtype)  # an unknown name fails here, before any model is touched
         if self.speculative_config is not None:
             self.speculative_config = spec = SpeculativeConfig.from_dict(self.speculative_config)

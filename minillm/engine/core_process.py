@@ -25,6 +25,7 @@ from types import SimpleNamespace
 from .block_manager import BlockManager
 from .engine_core import EngineCore
 from .llm_engine import LLMEngine
+from .structured_output import StructuredOutputManager
 
 OUT_PIPE_BYTES = 1 << 20  # Linux's default limit for a pipe (/proc/sys/fs/pipe-max-size)
 
@@ -112,6 +113,9 @@ class EngineView:
         self.block_manager = _Pool(engine.block_manager.num_blocks, engine.block_manager.block_size)
         self.sizes = SimpleNamespace(device=engine.sizes.device)
         self.groups: dict = {}  # request ids are the API process's to keep unique (AsyncLLMEngine does)
+        # check_request validates grammars here (the API process): a manager of its own, same backend
+        self.structured = StructuredOutputManager(engine.tokenizer, engine.model.config.vocab_size,
+                                                  engine.eos_token_ids, engine.config.structured_outputs_backend)
 
 
 class _Pool:

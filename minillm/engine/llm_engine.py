@@ -112,7 +112,8 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         if bad:  # a sequence could never stop on them, and banning them before min_tokens would fail
             raise ValueError(f"eos_token_ids {bad} are not token ids of this model (0..{vocab - 1})")
         self.eos_token_ids = list(eos_token_ids)
-        self.structured = StructuredOutputManager(tokenizer, vocab, self.eos_token_ids)  # chapter 14
+        self.structured = StructuredOutputManager(tokenizer, vocab, self.eos_token_ids,  # chapter 14
+                                                  config.structured_outputs_backend)
         self.spec_config = spec = config.speculative_config
         if executor is None:  # the model in this process (chapter 11 passes one worker per GPU instead)
             draft = None
@@ -166,7 +167,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         params = copy.copy(params)  # verify() below puts new lists in place of stop and stop_token_ids
         params.verify(self.model.config.vocab_size)
         if params.structured_outputs is not None:  # a bad schema is refused here, naming the field
-            self.structured.compile(params.structured_outputs, f"request {request_id!r}")
+            self.structured.validate(params.structured_outputs, f"request {request_id!r}")
         text, ids = prompt_ids(self.tokenizer, self.model.config.vocab_size, prompt, f"request {request_id!r}")
         check_length(f"request {request_id!r}", len(ids), params, self.max_model_len)
         longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
@@ -202,7 +203,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         if needs_host_sampling(params):
             self._host_sampled.add(request_id)
         compiled = None
-        if params.structured_outputs is not None:  # compiled at the check: a cache hit now
+        if params.structured_outputs is not None:  # checked already; compiled now (a cache hit for a repeat)
             compiled = self.structured.compile(params.structured_outputs, name)
         for s in seqs:
             s.seq_id = next(self._seq_ids)

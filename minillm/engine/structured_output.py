@@ -8,6 +8,15 @@ torch); the worker applies it at its one mask point (sampling/token_mask.py), so
 sampling, logprobs and n > 1 all pick among the grammar's tokens. The token sampled is then fed to
 the matcher; once the grammar is complete only EOS is allowed, and the sequence ends on it.
 
+Two backends fill the same mask (vLLM's `structured_outputs_backend`): "minillm", our compiler
+(structured_output/, the one the chapter builds), and "xgrammar", the C++ library vLLM and SGLang use
+(structured_output/xgrammar_backend.py), built on the same vocabulary bytes, excluded tokens and stop
+ids. The engine, the worker and the mask point do not know which one filled a row.
+
+A request is checked (`validate`) where the client waits, cheaply: our front-end and automaton without
+the token index, or xgrammar's compile (milliseconds, cached); the full compile comes when the engine
+accepts the request (`compile`, a cache hit for a repeated schema).
+
 What this first version leaves to later: structured requests get no draft tokens (chapter 09's
 verify would need the matcher's rollback), and take the plain step, not the overlapped one (their
 next mask needs the token just sampled on the host).
@@ -17,35 +26,51 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..checks import check_choice
 from ..structured_output import GrammarCompiler, Matcher, StructuredOutputsParams, TokenVocab
-from ..structured_output.matcher import CompiledGrammar
+from ..structured_output.xgrammar_backend import XgrammarCompiler, XgrammarMatcher, import_xgrammar
+
+BACKENDS = ("minillm", "xgrammar")
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], backend: str = "minillm"):
+        check_choice("structured_outputs_backend", backend, BACKENDS)
+        if backend == "xgrammar":
+            import_xgrammar()  # not installed: fail now, naming the package, not at the first request
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, list(eos_token_ids)
-        self._compiler: GrammarCompiler | None = None  # the vocabulary's bytes are read at the first use
-        self.matchers: dict[int, Matcher] = {}  # seq_id -> its matcher
+        self.backend = backend
+        self._compiler = None  # the vocabulary's bytes are read at the first use
+        self._matcher = Matcher if backend == "minillm" else XgrammarMatcher
+        self.matchers: dict[int, object] = {}  # seq_id -> its matcher (Matcher or XgrammarMatcher)
 
     @property
-    def compiler(self) -> GrammarCompiler:
+    def compiler(self) -> GrammarCompiler | XgrammarCompiler:
         if self._compiler is None:
             vocab = TokenVocab.from_tokenizer(self.tokenizer, self.vocab_size, stop_ids=self.eos_token_ids)
-            self._compiler = GrammarCompiler(vocab)
+            self._compiler = (GrammarCompiler if self.backend == "minillm" else XgrammarCompiler)(vocab)
         return self._compiler
 
-    def compile(self, params: StructuredOutputsParams, name: str) -> CompiledGrammar:
-        """-> the compiled grammar (cached); a bad schema, regex or grammar is a ValueError naming the
-        request and the field."""
+    def validate(self, params: StructuredOutputsParams, name: str) -> None:
+        """Refuse a bad schema, regex or grammar (a ValueError naming the request and the field) without
+        the full compile where that is the costly part."""
+        self._compiling(lambda: self.compiler.check(params), params, name)
+
+    def compile(self, params: StructuredOutputsParams, name: str):
+        """-> the compiled grammar (cached); errors as validate's."""
+        return self._compiling(lambda: self.compiler.compile(params), params, name)
+
+    def _compiling(self, fn, params, name: str):
         if not self.eos_token_ids:
             raise ValueError(f"{name}: structured output needs an EOS token to end on; this engine has none")
         try:
-            return self.compiler.compile(params)
+            return fn()
         except (ValueError, TypeError) as e:
-            raise ValueError(f"{name}: structured_outputs.{params.kind}: {e}") from None
+            field, text = f"structured_outputs.{params.kind}", str(e)
+            raise ValueError(f"{name}: {text if text.startswith(field) else f'{field}: {text}'}") from None
 
-    def add(self, seq_id: int, compiled: CompiledGrammar) -> None:
-        self.matchers[seq_id] = Matcher(compiled)
+    def add(self, seq_id: int, compiled) -> None:
+        self.matchers[seq_id] = self._matcher(compiled)
 
     def remove(self, seq_id: int) -> None:
         self.matchers.pop(seq_id, None)

@@ -39,13 +39,14 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self.max_whitespace = max_whitespace
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._checked: OrderedDict[str, None] = OrderedDict()  # keys check() has passed
         self.hits = self.misses = 0
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         if not isinstance(params, StructuredOutputsParams):
             raise TypeError(f"expected StructuredOutputsParams, not {type(params).__name__}")
         spec = params.spec()
-        key = hashlib.sha256(repr((params.kind, spec, self.max_whitespace, self.xgrammar_strings, self.vocab.hash)).encode()).hexdigest()
+        key = self._key(params.kind, spec)
         if key in self._cache:
             self.hits += 1
             self._cache.move_to_end(key)
@@ -60,6 +61,23 @@ class GrammarCompiler:
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
         return compiled
+
+    def _key(self, kind: str, spec) -> str:
+        return hashlib.sha256(repr((kind, spec, self.max_whitespace, self.xgrammar_strings, self.vocab.hash)).encode()).hexdigest()
+
+    def check(self, params: StructuredOutputsParams) -> None:
+        """Refuse what compile() would refuse, without building the token index (the walk over the whole
+        vocabulary, most of compile's time): the front-end and the automaton only. A server checks every
+        request with it where the client waits; the engine compiles later, off the event loop."""
+        if not isinstance(params, StructuredOutputsParams):
+            raise TypeError(f"expected StructuredOutputsParams, not {type(params).__name__}")
+        key = self._key(params.kind, params.spec())
+        if key in self._cache or key in self._checked:  # a request of many prompts checks one grammar once
+            return
+        compile_grammar(self._grammar(params.kind, params.spec(), params))
+        self._checked[key] = None
+        if len(self._checked) > 4 * self.cache_size:
+            self._checked.popitem(last=False)
 
     def _grammar(self, kind: str, spec, params: StructuredOutputsParams) -> Grammar:
         if kind == "regex":

@@ -19,6 +19,7 @@ from .matcher import Matcher
 from .params import StructuredOutputsParams
 from .token_index import unpack_bits
 from .vocab import TokenVocab
+from .xgrammar_backend import xgrammar_tokenizer_info
 
 # The test set, written so both backends mean the same language: no '.' in regexes (xgrammar's matches
 # a newline, `re`'s and ours do not); negated classes leave out the surrogates U+D800..U+DFFF, which
@@ -64,14 +65,6 @@ pair ::= key "=" value
 key ::= [a-zA-Z_] [a-zA-Z0-9_]*
 value ::= "\"" [a-z é]* "\"" | "true" | "false" | [0-9]+ ("." [0-9]+)?''',
 }
-
-
-def xgrammar_tokenizer_info(vocab: TokenVocab):
-    """The same vocabulary for xgrammar: excluded tokens as empty bytes (xgrammar's "special")."""
-    import xgrammar as xgr  # lazy: optional dependency (the dev extra), only the peer needs it
-
-    return xgr.TokenizerInfo(list(vocab.token_bytes), xgr.VocabType.RAW, vocab_size=vocab.vocab_size,
-                             stop_token_ids=vocab.stop_ids)
 
 
 @dataclass

@@ -93,6 +93,8 @@ ENGINE_FLAGS = [
     ("--swap-space", "swap_space", float, "GiB of CPU memory for swapped-out blocks"),
     ("--cuda-graph-max-batch", "cuda_graph_max_batch", int, "decode batches up to this size replay a CUDA graph"),
     ("--cuda-graph-max-tokens", "cuda_graph_max_tokens", int, "prefill steps up to this many tokens replay one"),
+    ("--structured-outputs-backend", "structured_outputs_backend", str, "who compiles response_format and "
+     "structured_outputs grammars into token masks: minillm (ours, chapter 14) or xgrammar (the PyPI package)"),
     ("--kv-cache-dtype", "kv_cache_dtype", str, "KV cache storage: auto (the model's dtype), fp8 (e4m3) or int8, "
      "scales calibrated on the tokenizer's text (chapter 08)"),
 ]

@@ -2,14 +2,16 @@
 
 Requests are strict: a number where a string belongs, a float for an int, or "0.5" for a float is a
 400, not a guess. Fields the OpenAI API has and minillm does not implement are refused when they
-would change the answer (echo, suffix, best_of, logit_bias, tools, response_format other than text)
-and ignored when they would not (user, metadata, ...). vLLM's extra sampling fields (top_k, min_p,
+would change the answer (echo, suffix, best_of, logit_bias) and ignored when they would not (user,
+metadata, ...). `response_format` and vLLM's `structured_outputs` constrain the output (structured.py);
+`tools` with `tool_choice` make the answer tool calls (tool_calls.py), both on chapter 14's grammars. vLLM's extra sampling fields (top_k, min_p,
 ignore_eos, repetition_penalty, min_tokens, stop_token_ids, include_stop_str_in_output,
 skip_special_tokens) are accepted too; the openai client sends them with `extra_body={...}`.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
@@ -57,6 +59,9 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # chapter 14: what the output must look like (structured.py turns them into StructuredOutputsParams)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def _refuse_unsupported(self) -> None:
         if self.logit_bias:
@@ -64,7 +69,7 @@ class _SamplingRequest(_Strict):
         if self.stream_options is not None and not self.stream:
             raise BadField("stream_options", "stream_options is only allowed when stream is true")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, structured_outputs=None) -> SamplingParams:
         """-> SamplingParams; its checks raise ValueError/TypeError naming the field."""
         self._refuse_unsupported()
         unset = lambda value, default: default if value is None else value
@@ -76,7 +81,7 @@ class _SamplingRequest(_Strict):
             frequency_penalty=unset(self.frequency_penalty, 0.0), seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens, structured_outputs=structured_outputs)
 
     @property
     def include_usage(self) -> bool:
@@ -91,14 +96,14 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     best_of: int | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, structured_outputs=None) -> SamplingParams:
         if self.echo:
             raise BadField("echo", "echo is not supported by minillm")
         if self.suffix:
             raise BadField("suffix", "suffix is not supported by minillm")
         if self.best_of is not None and self.best_of != self.n:
             raise BadField("best_of", "best_of is not supported by minillm (leave it out, or equal to n)")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, structured_outputs)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text, or token ids)."""
@@ -120,6 +125,8 @@ class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self, i: int) -> str:
         """The content as plain text: a string, or text parts joined (other kinds are refused). Only an
@@ -150,24 +157,43 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
-    def to_sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise BadField("tools", "tools are not supported by minillm")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise BadField("response_format", "response_format other than {'type': 'text'} is not supported")
+    def to_sampling_params(self, structured_outputs=None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise BadField("top_logprobs", "top_logprobs needs logprobs: true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
+                                     structured_outputs)
 
-    def conversation(self) -> list[dict[str, str]]:
-        """The messages as the chat template wants them ("developer" is OpenAI's new "system")."""
+    def conversation(self) -> list[dict]:
+        """The messages as the chat template wants them ("developer" is OpenAI's new "system"); an
+        assistant turn's tool_calls and a tool turn's tool_call_id go with them, each call's arguments
+        as an object (Hugging Face templates read them so; vLLM hands them over the same way)."""
         if not self.messages:
             raise BadField("messages", "messages must hold at least one message")
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-                for i, m in enumerate(self.messages)]
+        out = []
+        for i, m in enumerate(self.messages):
+            turn = {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+            if m.tool_calls:
+                turn["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
+            if m.tool_call_id is not None:
+                turn["tool_call_id"] = m.tool_call_id
+            out.append(turn)
+        return out
+
+
+def _template_call(call: dict, field: str) -> dict:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise BadField(f"{field}.function", f"{field}.function must be an object with a name and arguments")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise BadField(f"{field}.function.arguments", f"{field}.function.arguments is not valid JSON") from None
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 # ---- responses ------------------------------------------------------------------------------------
@@ -217,9 +243,28 @@ class ChatCompletionLogProbs(BaseModel):
     content: list[ChatLogProbsContent] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer
+    def _tool_calls_when_any(self) -> dict:  # a plain answer keeps its old shape: no "tool_calls": []
+        out = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -242,10 +287,12 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # tool_calls.ToolCallParser's entries
 
     @model_serializer
     def _without_nones(self) -> dict:  # OpenAI's deltas leave out what did not change: {} at the end
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        return {k: v for k, v in (("role", self.role), ("content", self.content), ("tool_calls", self.tool_calls))
+                if v is not None}
 
 
 class ChatCompletionStreamChoice(BaseModel):

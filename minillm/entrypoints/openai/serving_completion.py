@@ -46,6 +46,7 @@ from .serving_engine import (
     wait_for_disconnect,
 )
 from .stream_chunks import ChunkFrame
+from .structured import structured_outputs_of
 
 INLINE_CHECK_PROMPTS = 16  # more prompts than this are checked in a worker thread, off the event loop
 
@@ -80,7 +81,8 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request):
         received = time.perf_counter()
         self.check_model(request.model)
-        params = self.sampling_params(request)
+        structured = structured_outputs_of(request.response_format, request.structured_outputs)
+        params = self.sampling_params(request, structured=structured)
         texts = request.prompts()
         # token ids are counted now; text after tokenizing (it has at least a token per 4 MiB / limit bytes)
         ids_only = sum(len(p) for p in texts if not isinstance(p, str))
@@ -91,9 +93,9 @@ class OpenAIServingCompletion(OpenAIServing):
         marks = {"received": received, "tokenized": time.perf_counter()}
         request_id, created = new_id("cmpl")
         if len(prompts) > INLINE_CHECK_PROMPTS:  # each prompt's check costs: not on the loop everyone shares
-            requests = await asyncio.to_thread(self.check, request_id, prompts, params, "prompt")
+            requests = await asyncio.to_thread(self.check, request_id, prompts, params, "prompt", structured[1])
         else:
-            requests = self.check(request_id, prompts, params, "prompt")
+            requests = self.check(request_id, prompts, params, "prompt", structured[1])
         if request.stream:
             return StreamingResponse(self._stream(request_id, created, requests, request.include_usage, marks),
                                      media_type="text/event-stream")

@@ -24,6 +24,7 @@ from ...inputs import check_length
 from ...outputs import CompletionOutput, RequestOutput
 from ...sampling import SamplingParams
 from .protocol import BadField, ErrorInfo, ErrorResponse, UsageInfo
+from .structured import request_field
 
 logger = logging.getLogger("minillm.serve")
 
@@ -127,20 +128,25 @@ class OpenAIServing:
                            f"most {limit} characters ({self._token_bytes} per token, this tokenizer's longest)",
                            param=param, code=code)
 
-    def sampling_params(self, request, renames: dict[str, str] | None = None) -> SamplingParams:
+    def sampling_params(self, request, renames: dict[str, str] | None = None, structured=(None, None)) -> SamplingParams:
         """request -> SamplingParams; a value SamplingParams refuses is a 400 naming its field (under
-        the request's name for it: renames maps SamplingParams' names to the endpoint's)."""
+        the request's name for it: renames maps SamplingParams' names to the endpoint's). structured:
+        (StructuredOutputsParams, the request field it came from) or (None, None) (structured.py)."""
+        so, field = structured
         try:
-            return request.to_sampling_params()
+            return request.to_sampling_params(so)
         except BadField:
             raise
         except (ValueError, TypeError) as e:
             param = _param_of(str(e))
-            raise APIError(400, str(e), param=(renames or {}).get(param, param)) from None
+            renames = {**(renames or {}), **({"structured_outputs": field} if field else {})}
+            raise APIError(400, str(e), param=renames.get(param, param)) from None
 
-    def check(self, request_id: str, prompts: list[list[int]], params: SamplingParams, what: str
-              ) -> list[tuple[str, list[int], SamplingParams]]:
-        """-> engine requests (id, ids, checked params), one per prompt; or a 400 for the first bad one."""
+    def check(self, request_id: str, prompts: list[list[int]], params: SamplingParams, what: str,
+              structured_field: str | None = None) -> list[tuple[str, list[int], SamplingParams]]:
+        """-> engine requests (id, ids, checked params), one per prompt; or a 400 for the first bad one.
+        structured_field: the request field params.structured_outputs came from; a bad grammar's 400
+        names it, with the compiler's reason and position."""
         out = []
         for i, ids in enumerate(prompts):
             name = what if len(prompts) == 1 else f"{what}[{i}]"
@@ -153,7 +159,11 @@ class OpenAIServing:
                 _, ids, checked = self.engine.check(rid, {"prompt_token_ids": ids}, params)
             except (ValueError, TypeError) as e:
                 message = str(e).replace(f"request {rid!r}", name)
-                raise APIError(400, message, param="n" if " n=" in message else _param_of(message)) from None
+                param = "n" if " n=" in message else _param_of(message)
+                if params.structured_outputs is not None:
+                    message, field = request_field(message, params.structured_outputs, structured_field)
+                    param = field or param
+                raise APIError(400, message, param=param) from None
             if out:  # one stop list for all the prompts, not a copy each (the check copies the params)
                 checked.stop = out[0][2].stop
             out.append((rid, ids, checked))
@@ -187,7 +197,7 @@ class OpenAIServing:
         contextlib.aclosing: closing it aborts the rest)."""
         return self.engine.stream_batches(requests)
 
-    def sse_stream(self, requests, chunk: Callable[[int, CompletionOutput], str],
+    def sse_stream(self, requests, chunk: Callable[[int, CompletionOutput], str | None],
                    last: Callable[[int], str | None], first: Iterable[str] = (),
                    timing: tuple[str, dict] | None = None) -> AsyncIterator[str]:
         """The SSE body of a streamed answer: the `first` chunks, then chunk(prompt index, output) for every
@@ -223,7 +233,8 @@ class OpenAIServing:
                             generated += len(out.token_ids)
                             # nothing to show yet: a stop string may be forming, or half a character
                             if out.text or out.finish_reason is not None or out.logprobs:
-                                events.append(sse(chunk(where[delta.request_id], out)))
+                                if (payload := chunk(where[delta.request_id], out)) is not None:  # None: nothing new
+                                    events.append(sse(payload))
                     if events:
                         yield "".join(events)
                         events = []
