@@ -75,6 +75,9 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter("13", "The fast path", "13-the-fast-path.md", "13_fast_path", "13_fast_path",
             ("minillm/executor/", "minillm/worker/", "minillm/engine/overlap_steps.py",
              "minillm/sampling/device_sampler.py", "minillm/bench/profile.py", "minillm/bench/step_profile.py")),
+    Chapter("14", "Structured output", "14-structured-output.md", "14_structured_output", "14_structured_output",
+            ("minillm/structured_output/", "minillm/engine/structured_output.py", "minillm/sampling/token_mask.py",
+             "kernels/token_bitmask.py", "minillm/bench/structured.py", "minillm/bench/structured_cases.py")),
 )
 
 

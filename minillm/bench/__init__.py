@@ -24,6 +24,8 @@ WORKLOADS = {
                 "GPU kernel time, kernels per step and per layer, host phases, top kernels (chapter 13)"),
     "spec": ("minillm.bench.spec", "speculative decoding: each proposer vs plain decoding, acceptance, step costs, "
              "predicted vs measured speedup (chapter 09)"),
+    "structured": ("minillm.bench.structured", "structured output: compile ms and mask us/token, ours vs xgrammar; "
+                   "constrained vs free decode tok/s; validity (chapter 14)"),
     "serve": ("minillm.bench.serve", "load an OpenAI-compatible server (--base-url): TTFT/TPOT/ITL/E2E percentiles, "
               "throughput, goodput"),
 }

@@ -47,6 +47,20 @@ class CompiledGrammar:
         self._masks[stacks] = m
         return m
 
+    def set_index_rows(self, acc: np.ndarray) -> None:
+        """Swap in a token index computed elsewhere: acc [N, W] int32, row n the tokens allowed at node
+        n (EOS may be in it; the matcher adds EOS where the output may end anyway), and forget every
+        mask made from the old one. Only for a grammar without calls (a regex, a choice), whose rows
+        are the whole answer. Chapter 14's lab plugs the student's DFA-to-token-index step in here."""
+        if self.pda.has_calls:
+            raise ValueError(f"{self.source}: set_index_rows needs a grammar without calls (a regex or a choice)")
+        if not isinstance(acc, np.ndarray) or acc.shape != self.index.acc.shape or acc.dtype != np.int32:
+            raise ValueError(f"acc must be an int32 array of shape {self.index.acc.shape}, got "
+                             f"{getattr(acc, 'dtype', type(acc))} {getattr(acc, 'shape', '')}")
+        self.index.acc[:] = acc
+        self.index._stack_masks.clear()
+        self._masks.clear()
+
     @property
     def num_nodes(self) -> int:
         return self.pda.num_nodes

@@ -79,9 +79,12 @@ class WalkResult:
         return float(np.percentile(getattr(self, which), q)) if getattr(self, which) else float("nan")
 
 
-def parity_walk(ours, theirs, steps: int, rng: random.Random, max_mismatches: int = 3) -> WalkResult:
+def parity_walk(ours, theirs, steps: int, rng: random.Random, max_mismatches: int = 3,
+                theirs_first: bool = False) -> WalkResult:
     """Walk `steps` tokens, picking among the allowed ones (EOS with p=0.2 when allowed, a short
-    token with p=0.4, else any), comparing the two packed masks word for word at every step."""
+    token with p=0.4, else any), comparing the two packed masks word for word at every step.
+    theirs_first: fill xgrammar's mask before ours at each step (a benchmark alternates the order, so
+    neither backend always runs on the caches the other one just warmed)."""
     import xgrammar as xgr  # lazy: optional dependency (the dev extra), only the peer needs it
 
     vocab = ours.vocab
@@ -90,14 +93,13 @@ def parity_walk(ours, theirs, steps: int, rng: random.Random, max_mismatches: in
     xrow = xgr.allocate_token_bitmask(1, vocab.vocab_size)
     res, text = WalkResult(), b""
     short = np.array([0 < len(b) <= 2 for b in vocab.token_bytes] + [False] * (vocab.vocab_size - len(vocab.token_bytes)))
+    fill = {"ours": lambda: m.fill_bitmask(row), "theirs": lambda: xm.fill_next_token_bitmask(xrow)}
+    order = ("theirs", "ours") if theirs_first else ("ours", "theirs")
     for _ in range(steps):
-        t0 = time.perf_counter()
-        m.fill_bitmask(row)
-        t1 = time.perf_counter()
-        xm.fill_next_token_bitmask(xrow)
-        t2 = time.perf_counter()
-        res.ours_us.append((t1 - t0) * 1e6)
-        res.theirs_us.append((t2 - t1) * 1e6)
+        for who in order:
+            t0 = time.perf_counter()
+            fill[who]()
+            getattr(res, f"{who}_us").append((time.perf_counter() - t0) * 1e6)
         res.steps += 1
         theirs_row = xrow[0].numpy()
         if not np.array_equal(row, theirs_row):
