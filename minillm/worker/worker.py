@@ -22,6 +22,7 @@ import dataclasses
 import torch
 
 from ..cache.paged import PagedKVCache
+from ..distributed.kv_transfer import make_kv_connector
 from .model_input import ModelInput, ModelRunnerOutput
 from .model_runner import ModelRunner
 from .sample_step import StepSampler
@@ -36,6 +37,7 @@ class Worker:
         self.proposer = None
         self.sampler = StepSampler(config.max_num_seqs)
         self.last_sampled: torch.Tensor | None = None  # [R] the last on-device step's tokens (overlap)
+        self.kv_connector = None  # chapter 17: the worker side of a KV connector
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """(GPU blocks, CPU blocks) this worker's memory holds (the engine takes the minimum over workers)."""
@@ -47,7 +49,10 @@ class Worker:
                                                  num_cpu_blocks=num_cpu_blocks)
         self.cache = PagedKVCache(list(sizes.kv_cache_spec), num_gpu_blocks, self.config.block_size, sizes.device,
                                   num_cpu_blocks)
-        self.runner = ModelRunner(self.model, self.cache, self.config, sizes.max_model_len)
+        if (kv := self.config.kv_transfer_config) is not None:  # before the runner binds the pool to the model:
+            self.kv_connector = make_kv_connector(kv, self.config.block_size, sizes.kv_cache_spec)
+            self.kv_connector.register_kv_caches(self.model, self.cache)  # a pull transport may share it
+        self.runner = ModelRunner(self.model, self.cache, self.config, sizes.max_model_len, self.kv_connector)
         self.runner.capture_cuda_graphs(progress)
 
     def attach_proposer(self, proposer, progress: bool = True) -> None:
@@ -72,6 +77,8 @@ class Worker:
         if step.sampling is None:
             return ModelRunnerOutput([], logits=logits)
         out = self.sampler(logits, step.sampling)
+        if self.kv_connector is not None:
+            out.kv_stats = self.kv_connector.take_stats()
         if out.pending is not None:
             self.last_sampled = out.pending.next_input
         return out
@@ -102,6 +109,8 @@ class Worker:
         buffers), so another engine, or a peer in the same process, gets the GPU's memory back."""
         if self.cache is None:
             return
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         self.cache.unbind(self.model)
         if self.runner.graphs is not None:
             self.runner.graphs.clear()
