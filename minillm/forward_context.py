@@ -19,15 +19,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # layers read the context: a runtime import of them here would be a cycle
-    from .layers import AttentionMetadata
+from typing import Any
 
 
 @dataclass
 class ForwardContext:
-    attn_metadata: AttentionMetadata
+    # layers.AttentionMetadata; not imported, not even for type checking: the layers import this module
+    attn_metadata: Any
     # chapter 16: per-token adapter slots for the LoRA layers (a device tensor; static under graphs)
     lora_mapping: Any = None
     # chapter 17: the worker side of a KV connector (layer-wise save and load hooks)
@@ -40,7 +38,7 @@ _context: ForwardContext | None = None
 
 
 @contextlib.contextmanager
-def set_forward_context(attn_metadata: AttentionMetadata, **fields: Any) -> Iterator[ForwardContext]:
+def set_forward_context(attn_metadata: Any, **fields: Any) -> Iterator[ForwardContext]:
     """Open the context of one forward pass; the previous one (a draft pass inside a step) comes back
     when it ends, also after an error."""
     global _context

@@ -17,6 +17,7 @@ import pytest
 from tiny_models import random_model
 
 from minillm import SamplingParams
+from minillm.distributed.kv_transfer import shared_storage
 from minillm.engine import EngineConfig, LLMEngine
 
 
@@ -57,7 +58,7 @@ def engines(model, tok, kv_path, rng, **kv):
     return colocated, producer, consumer
 
 
-@pytest.mark.parametrize("case", range(3))
+@pytest.mark.parametrize("case", [0, 1, pytest.param(2, marks=pytest.mark.slow)])
 def test_disaggregated_tokens_equal_colocated(seed, tok, tmp_path, case):
     rng = random.Random(seed * 17 + case)
     model, config = random_model(rng)
@@ -74,3 +75,112 @@ def test_disaggregated_tokens_equal_colocated(seed, tok, tmp_path, case):
     assert ps["kv_transfers_saved"] == cs["kv_transfers_loaded"] == len(requests)
     assert ps["kv_bytes_saved"] > 0 and cs["kv_bytes_loaded"] > 0
     assert producer.block_manager.num_used_blocks == 0 or producer.block_manager.prefix_cache is not None
+
+
+@pytest.mark.parametrize("case", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_shared_pool_tokens_equal_colocated(seed, tok, tmp_path, case):
+    """The pull transport: the consumer copies from the producer's own (shared-memory) pool, which keeps
+    the blocks until the consumer says it has them."""
+    rng = random.Random(seed * 31 + case)
+    model, config = random_model(rng)
+    requests = make_requests(rng, config.vocab_size, rng.randrange(3, 6))
+    colocated, producer, consumer = engines(model, tok, tmp_path, rng, kv_connector="SharedPoolConnector")
+    expected = run(colocated, requests)
+    run(producer, requests, {"do_remote_decode": True}, max_tokens=1)
+    held = producer.block_manager.num_used_blocks
+    assert len(producer.scheduler.sending) == len(requests) and held > 0  # kept for the consumer
+    got = run(consumer, requests, {"do_remote_prefill": True})
+    assert got == expected
+    assert consumer.engine_stats.num_prompt_tokens == len(requests)
+    producer.step()  # the consumer's marks are read: every block is freed
+    assert not producer.scheduler.sending and not producer.has_unfinished_requests()
+    assert producer.block_manager.num_used_blocks < held
+    assert consumer.stats["kv_bytes_loaded"] > 0
+    producer.shutdown()
+
+
+def small_engine(model, tok, **kv) -> LLMEngine:
+    config = EngineConfig(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=32,
+                          kv_transfer_config=kv or None)
+    return LLMEngine(copy.deepcopy(model), tok, [], config)
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_missing_remote_kv_fails_clearly_or_is_prefilled_here(seed, tok, tmp_path, policy):
+    """A handle whose K/V never comes waits kv_load_timeout, then fails with an error naming the transfer
+    (policy "fail") or is prefilled locally (policy "recompute"); a request beside it is served either way."""
+    rng = random.Random(seed)
+    model, config = random_model(rng)
+    requests = make_requests(rng, config.vocab_size, 2)
+    expected = run(small_engine(model, tok), requests)
+    consumer = small_engine(model, tok, kv_role="consumer", kv_path=str(tmp_path), kv_load_timeout=0.2,
+                            kv_load_failure_policy=policy)
+    params = SamplingParams(temperature=0.0, max_tokens=requests[0][1], ignore_eos=True,
+                            extra_args={"kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "lost"}})
+    consumer.add_request("lost", {"prompt_token_ids": requests[0][0]}, params)
+    consumer.add_request("plain", {"prompt_token_ids": requests[1][0]},
+                         SamplingParams(temperature=0.0, max_tokens=requests[1][1], ignore_eos=True))
+    outs = {}
+    while consumer.has_unfinished_requests():
+        outs |= {o.request_id: o for o in consumer.step() if o.finished}
+    assert outs["plain"].outputs[0].token_ids == expected["r1"]  # served beside the one that waits
+    assert consumer.stats["kv_load_failures"] == 1
+    lost = outs["lost"]
+    if policy == "fail":
+        assert lost.outputs[0].finish_reason == "error" and "did not arrive within kv_load_timeout" in lost.error
+        assert "'lost'" in lost.error
+    else:
+        assert lost.error is None and lost.outputs[0].token_ids == expected["r0"]
+    assert consumer.block_manager.num_used_blocks == 0
+
+
+def test_unclaimed_transfer_is_freed_after_the_send_timeout(seed, tok, tmp_path):
+    """A consumer that never comes: the producer frees the blocks it kept after kv_send_timeout, and keeps
+    serving; a consumer that comes later gets a clear error instead of blocks someone else now owns."""
+    rng = random.Random(seed + 1)
+    model, config = random_model(rng)
+    requests = make_requests(rng, config.vocab_size, 2)
+    expected = run(small_engine(model, tok), requests)
+    kv = dict(kv_connector="SharedPoolConnector", kv_path=str(tmp_path), kv_send_timeout=0.3)
+    producer = small_engine(model, tok, kv_role="producer", **kv)
+    run(producer, requests[:1], {"do_remote_decode": True}, max_tokens=1)
+    assert producer.block_manager.num_used_blocks > 0 and producer.has_unfinished_requests()
+    while producer.has_unfinished_requests():  # nobody picks it up: the timeout frees the blocks
+        producer.step()
+    assert producer.block_manager.num_used_blocks == 0 and producer.stats["kv_send_timeouts"] == 1
+    assert run(producer, requests[1:], prefix="next") == {"next0": expected["r1"]}  # still serving
+    consumer = small_engine(model, tok, kv_role="consumer", kv_load_timeout=0.2, **kv)
+    got = run(consumer, requests[:1], {"do_remote_prefill": True})
+    assert "did not arrive" in got["r0"]  # the transfer is gone: an error, never another request's blocks
+    producer.shutdown()
+
+
+def test_store_entries_nobody_picks_up_are_deleted(seed, tok, tmp_path, monkeypatch):
+    monkeypatch.setattr(shared_storage, "REAP_EVERY", 0.0)
+    rng = random.Random(seed + 2)
+    model, config = random_model(rng)
+    requests = make_requests(rng, config.vocab_size, 2)
+    producer = small_engine(model, tok, kv_role="producer", kv_path=str(tmp_path), kv_send_timeout=0.0)
+    run(producer, requests, {"do_remote_decode": True}, max_tokens=1)
+    assert len(list(tmp_path.iterdir())) == 2 and producer.block_manager.num_used_blocks == 0  # push: freed
+    producer.step()
+    assert list(tmp_path.iterdir()) == [] and producer.stats["kv_send_timeouts"] == 2
+
+
+def test_handles_are_checked(seed, tok, tmp_path):
+    rng = random.Random(seed)
+    model, _ = random_model(rng)
+    handle = lambda **p: SamplingParams(extra_args={"kv_transfer_params": p})  # noqa: E731
+    with pytest.raises(ValueError, match="transfer_id"):
+        handle(do_remote_prefill=True, transfer_id="../etc")
+    with pytest.raises(ValueError, match="unknown field"):
+        handle(do_remote_prefill=True, transfer_id="a", remote_host="x")
+    with pytest.raises(TypeError, match="extra_args"):
+        SamplingParams(extra_args=["kv"])
+    with pytest.raises(ValueError, match="needs an engine with a KV connector"):
+        small_engine(model, tok).add_request("a", "hi", handle(do_remote_prefill=True, transfer_id="a"))
+    producer = small_engine(model, tok, kv_role="producer", kv_path=str(tmp_path))
+    with pytest.raises(ValueError, match="kv_role is 'producer'"):
+        producer.add_request("a", "hi", handle(do_remote_prefill=True, transfer_id="a"))
+    with pytest.raises(ValueError, match="kv_role must be one of"):
+        EngineConfig(kv_transfer_config={"kv_role": "decoder"})

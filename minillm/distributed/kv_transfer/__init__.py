@@ -12,18 +12,16 @@ distributed/kv_transfer).
 
 from .base import KVConnectorBase, KVConnectorMetadata, KVTransferError, KVTransferStats, ReqLoad, ReqSave
 from .config import KVTransferConfig, check_kv_transfer_params, transfer_key
+from .shared_pool import SharedPoolConnector
+from .shared_storage import SharedStorageConnector
+
+CONNECTORS = {"SharedStorageConnector": SharedStorageConnector, "SharedPoolConnector": SharedPoolConnector}
 
 
 def make_kv_connector(config: KVTransferConfig, block_size: int, specs) -> KVConnectorBase:
     """The connector config.kv_connector names (one per side: the scheduler's and the worker's)."""
-    if config.kv_connector == "SharedStorageConnector":
-        from .shared_storage import SharedStorageConnector
-
-        return SharedStorageConnector(config, block_size, specs)
-    from .shared_pool import SharedPoolConnector
-
-    return SharedPoolConnector(config, block_size, specs)
+    return CONNECTORS[config.kv_connector](config, block_size, specs)
 
 
-__all__ = ["KVConnectorBase", "KVConnectorMetadata", "KVTransferConfig", "KVTransferError", "KVTransferStats",
+__all__ = ["CONNECTORS", "KVConnectorBase", "SharedPoolConnector", "SharedStorageConnector", "KVConnectorMetadata", "KVTransferConfig", "KVTransferError", "KVTransferStats",
            "ReqLoad", "ReqSave", "check_kv_transfer_params", "make_kv_connector", "transfer_key"]
