@@ -170,7 +170,7 @@ def test_store_entries_nobody_picks_up_are_deleted(seed, tok, tmp_path, monkeypa
 def test_handles_are_checked(seed, tok, tmp_path):
     rng = random.Random(seed)
     model, _ = random_model(rng)
-    handle = lambda **p: SamplingParams(extra_args={"kv_transfer_params": p})  # noqa: E731
+    handle = lambda **p: SamplingParams(extra_args={"kv_transfer_params": p})
     with pytest.raises(ValueError, match="transfer_id"):
         handle(do_remote_prefill=True, transfer_id="../etc")
     with pytest.raises(ValueError, match="unknown field"):

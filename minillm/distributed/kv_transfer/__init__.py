@@ -23,5 +23,18 @@ def make_kv_connector(config: KVTransferConfig, block_size: int, specs) -> KVCon
     return CONNECTORS[config.kv_connector](config, block_size, specs)
 
 
-__all__ = ["CONNECTORS", "KVConnectorBase", "SharedPoolConnector", "SharedStorageConnector", "KVConnectorMetadata", "KVTransferConfig", "KVTransferError", "KVTransferStats",
-           "ReqLoad", "ReqSave", "check_kv_transfer_params", "make_kv_connector", "transfer_key"]
+__all__ = [
+    "CONNECTORS",
+    "KVConnectorBase",
+    "KVConnectorMetadata",
+    "KVTransferConfig",
+    "KVTransferError",
+    "KVTransferStats",
+    "ReqLoad",
+    "ReqSave",
+    "SharedPoolConnector",
+    "SharedStorageConnector",
+    "check_kv_transfer_params",
+    "make_kv_connector",
+    "transfer_key",
+]
