@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from ..checks import check_int
 from ..distributed.kv_transfer import KVTransferStats, make_kv_connector
+from ..distributed.kv_transfer.config import check_role
 from ..executor import Executor, UniprocExecutor
 from ..inputs import check_length, prompt_ids
 from ..outputs import RequestOutput
@@ -226,12 +227,8 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
 
     def _check_kv_transfer(self, params: SamplingParams) -> None:
         """A handle (extra_args["kv_transfer_params"]) needs a connector whose role serves it."""
-        handle = params.extra_args.get("kv_transfer_params") if params.extra_args else None
-        if handle and self.kv_connector is None:
-            raise ValueError("kv_transfer_params needs an engine with a KV connector (kv_transfer_config; "
-                             "`minillm serve --kv-connector NAME --kv-role producer|consumer`)")
-        if self.kv_connector is not None:
-            self.kv_connector.check_request(handle)
+        if params.extra_args:  # (the server's API process runs this too: it reads only the config)
+            check_role(self.config.kv_transfer_config, params.extra_args.get("kv_transfer_params"))
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests and free their blocks; unknown or finished ids are ignored."""

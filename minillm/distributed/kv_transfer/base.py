@@ -31,12 +31,21 @@ overlaps layer i+1's compute):
 
 from __future__ import annotations
 
+import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from ...cache.spec import cache_layers
-from .config import KVTransferConfig, check_kv_transfer_params, transfer_key
+from .config import KVTransferConfig, transfer_key
+
+logger = logging.getLogger("minillm.kv_transfer")
+
+
+def log_transfer(verb: str, count: int, nbytes: int, seconds: float) -> None:
+    """One line per step that moved K/V: what the chapter's bandwidth is measured from."""
+    rate = nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+    logger.info("KV %s: %d transfer(s), %d bytes in %.2f ms (%.3f GB/s)", verb, count, nbytes, seconds * 1e3, rate)
 
 
 class KVTransferError(RuntimeError):
@@ -123,18 +132,6 @@ class KVConnectorBase(ABC):
         self.stats = KVTransferStats()
 
     # ---- requests --------------------------------------------------------------------------------
-
-    def check_request(self, params) -> None:
-        """Refuse a handle this engine's role cannot serve (ValueError naming it)."""
-        p = check_kv_transfer_params(params)
-        if p is None:
-            return
-        if p.get("do_remote_decode") and not self.config.is_producer:
-            raise ValueError(f"kv_transfer_params.do_remote_decode asks this engine to save a prompt's KV, but its "
-                             f"kv_role is {self.config.kv_role!r} (producer or both can)")
-        if p.get("do_remote_prefill") and not self.config.is_consumer:
-            raise ValueError(f"kv_transfer_params.do_remote_prefill asks this engine to load a prompt's KV, but its "
-                             f"kv_role is {self.config.kv_role!r} (consumer or both can)")
 
     @staticmethod
     def _key(seq, p: dict) -> str:

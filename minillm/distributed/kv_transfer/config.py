@@ -97,6 +97,23 @@ def check_kv_transfer_params(params) -> dict | None:
     return params
 
 
+def check_role(config: KVTransferConfig | None, params) -> None:
+    """Refuse a handle this engine cannot serve: none without a connector, and only what its role does
+    (ValueError naming it)."""
+    p = check_kv_transfer_params(params)
+    if not p:
+        return
+    if config is None:
+        raise ValueError("kv_transfer_params needs an engine with a KV connector (kv_transfer_config; "
+                         "`minillm serve --kv-connector NAME --kv-role producer|consumer`)")
+    if p.get("do_remote_decode") and not config.is_producer:
+        raise ValueError(f"kv_transfer_params.do_remote_decode asks this engine to save a prompt's KV, but its "
+                         f"kv_role is {config.kv_role!r} (producer or both can)")
+    if p.get("do_remote_prefill") and not config.is_consumer:
+        raise ValueError(f"kv_transfer_params.do_remote_prefill asks this engine to load a prompt's KV, but its "
+                         f"kv_role is {config.kv_role!r} (consumer or both can)")
+
+
 def transfer_key(transfer_id: str, prompt_ids: list[int]) -> str:
     """The store's name for one prompt's K/V under a handle: the id and a hash of the prompt's tokens."""
     digest = hashlib.sha256(",".join(map(str, prompt_ids)).encode()).hexdigest()[:16]

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from .base import KVConnectorBase, KVTransferError, remote_params, slots_of
+from .base import KVConnectorBase, KVTransferError, log_transfer, remote_params, slots_of
 from .layout import layout_mismatch, layout_of, row_view
 
 logger = logging.getLogger(__name__)
@@ -221,8 +221,10 @@ class SharedPoolConnector(KVConnectorBase):
             self._events[-1].synchronize()  # our copies are done: the producer may reuse its blocks
         for key, *_ in self._jobs:
             _create_excl(self._path(key + ".done"))
+        seconds = time.perf_counter() - self._t_load
         self.stats.transfers_loaded += len(self._jobs)
-        self.stats.seconds_loading += time.perf_counter() - self._t_load
+        self.stats.seconds_loading += seconds
+        log_transfer("loaded", len(self._jobs), self.stats.bytes_loaded, seconds)
 
     def shutdown(self) -> None:
         self._pools.clear()

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from .base import KVConnectorBase, KVTransferError
+from .base import KVConnectorBase, KVTransferError, log_transfer
 from .layout import layout_mismatch, layout_of, row_view
 from .store import FileStore
 
@@ -143,11 +143,13 @@ class SharedStorageConnector(KVConnectorBase):
         self._writer = None
         if self._errors:
             raise KVTransferError(f"saving KV to {self.config.kv_path!r} failed: {self._errors[0]}")
-        for save in self.meta.saves:
-            if save.last:
-                self.store.commit(save.key, {"num_tokens": save.num_tokens, **self.layout})
-                self.stats.transfers_saved += 1
-        self.stats.seconds_saving += time.perf_counter() - self._t_save
+        done = [s for s in self.meta.saves if s.last]
+        for save in done:
+            self.store.commit(save.key, {"num_tokens": save.num_tokens, **self.layout})
+        seconds = time.perf_counter() - self._t_save
+        self.stats.transfers_saved += len(done)
+        self.stats.seconds_saving += seconds
+        log_transfer("saved", len(done), self.stats.bytes_saved, seconds)
 
     # loading
 
@@ -203,8 +205,10 @@ class SharedStorageConnector(KVConnectorBase):
         if i == len(self.k_rows) - 1:
             self._reader.join()
             self._reader = None
+            seconds = time.perf_counter() - self._t_load
             self.stats.transfers_loaded += len(self.meta.loads)
-            self.stats.seconds_loading += time.perf_counter() - self._t_load
+            self.stats.seconds_loading += seconds
+            log_transfer("loaded", len(self.meta.loads), self.stats.bytes_loaded, seconds)
 
     def clear_connector_metadata(self) -> None:
         if self._writer is not None:  # the step failed between a save and wait_for_save: stop the writer

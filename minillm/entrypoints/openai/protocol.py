@@ -57,6 +57,8 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # chapter 17: a disaggregated request's handle (vLLM's field; the router sets it)
+    kv_transfer_params: dict[str, Any] | None = None
 
     def _refuse_unsupported(self) -> None:
         if self.logit_bias:
@@ -76,7 +78,8 @@ class _SamplingRequest(_Strict):
             frequency_penalty=unset(self.frequency_penalty, 0.0), seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            extra_args={"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params else None)
 
     @property
     def include_usage(self) -> bool:
