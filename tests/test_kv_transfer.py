@@ -14,6 +14,7 @@ import copy
 import random
 
 import pytest
+import torch
 from tiny_models import random_model
 
 from minillm import SamplingParams
@@ -184,3 +185,63 @@ def test_handles_are_checked(seed, tok, tmp_path):
         producer.add_request("a", "hi", handle(do_remote_prefill=True, transfer_id="a"))
     with pytest.raises(ValueError, match="kv_role must be one of"):
         EngineConfig(kv_transfer_config={"kv_role": "decoder"})
+
+
+# ---- two processes: the producer's pool shared with a consumer in another process -------------------
+
+def _two_process_side(role: str, seed: int, device: str, kv_path: str, out_path: str) -> None:
+    """One engine of a pair, in a spawned process: the producer (which also runs the colocated engine
+    for the oracle) prefills and keeps stepping until the consumer has taken every transfer; the
+    consumer's requests wait in WAITING_FOR_REMOTE_KVS until the producer publishes them."""
+    import json
+
+    from minillm.tokenizer import train_bpe
+    from minillm.tokenizer.samples import FIXED
+
+    rng = random.Random(seed)
+    model, config = random_model(rng)
+    model = model.to(device)
+    tok = train_bpe("\n".join(FIXED), vocab_size=300)
+    requests = make_requests(random.Random(seed + 1), config.vocab_size, 4)
+    kv = {"kv_connector": "SharedPoolConnector", "kv_path": kv_path, "kv_role": role, "kv_load_timeout": 120.0,
+          "kv_send_timeout": 120.0}
+    engine = LLMEngine(model, tok, [], EngineConfig(block_size=4, num_gpu_blocks=128, max_num_batched_tokens=16,
+                                                    kv_transfer_config=kv))
+    result = {}
+    if role == "producer":
+        colocated = LLMEngine(copy.deepcopy(model), tok, [], EngineConfig(block_size=4, num_gpu_blocks=128))
+        result["expected"] = run(colocated, requests)
+        run(engine, requests, {"do_remote_decode": True}, max_tokens=1)
+        while engine.has_unfinished_requests():  # until the consumer's .done marks free the blocks
+            engine.step()
+        result["timeouts"] = engine.stats["kv_send_timeouts"]
+    else:
+        result["got"] = run(engine, requests, {"do_remote_prefill": True})
+        result["stats"] = engine.stats
+    engine.shutdown()
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow),
+                                    pytest.param("cuda", marks=pytest.mark.skipif(
+                                        not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA IPC)"))])
+def test_shared_pool_across_processes(seed, tmp_path, device):
+    """CUDA IPC on one GPU (shared memory on a CPU): the consumer maps the producer's pool from another
+    process and decodes the colocated tokens; the producer frees every block once the consumer is done."""
+    import json
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_two_process_side, args=(role, seed, device, str(tmp_path / "kv"),
+                                                         str(tmp_path / f"{role}.json")))
+             for role in ("producer", "consumer")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+        assert p.exitcode == 0, f"the {p} side failed"
+    producer = json.loads((tmp_path / "producer.json").read_text())
+    consumer = json.loads((tmp_path / "consumer.json").read_text())
+    assert consumer["got"] == producer["expected"] and producer["timeouts"] == 0
+    assert consumer["stats"]["kv_transfers_loaded"] == 4 and consumer["stats"]["num_prompt_tokens"] == 4
