@@ -79,6 +79,8 @@ def test_completions_equal_colocated(disagg, oracle, tiny_chat_model):
                              "total_tokens": prompt_tokens + 8 * len(PROMPTS)}
     # the consumer loaded the K/V it was handed (and the producer saved them)
     assert "KV loaded: " in consumer.output()
+    m = consumer.metrics()
+    assert m["minillm_kv_transfers_loaded_total"] >= len(PROMPTS) and m["minillm_kv_bytes_loaded_total"] > 0
     if "SharedStorageConnector" in producer.proc.args:  # (the pull transport saves nothing: the consumer copies)
         assert "KV saved: " in producer.output()
 

@@ -50,7 +50,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ..checks import check_int
-from ..distributed.kv_transfer import KVTransferStats, make_kv_connector
+from ..distributed.kv_transfer import make_kv_connector
 from ..distributed.kv_transfer.config import check_role
 from ..executor import Executor, UniprocExecutor
 from ..inputs import check_length, prompt_ids
@@ -141,7 +141,6 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
                                           self.engine_stats, track_changes=True)  # the worker keeps the tables
         kv = config.kv_transfer_config  # chapter 17: the scheduler's side of the connector
         self.kv_connector = make_kv_connector(kv, config.block_size, self.sizes.kv_cache_spec) if kv else None
-        self.kv_stats = KVTransferStats()
         self.scheduler = Scheduler(config, self.block_manager, self.kv_connector)
         self.has_proposer = spec is not None
         auto = self.sizes.device.type == "cuda"  # overlap pays where a GPU runs beside the host
@@ -286,7 +285,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         except Exception as e:  # the forward pass concerns every scheduled request
             return failed + self._fail({self._group_of[s.seq_id]: e for s, _ in sched.scheduled})
         if out.kv_stats is not None:
-            self.kv_stats.add(out.kv_stats)
+            self.engine_stats.kv.add(out.kv_stats)
         self._advance(sched)
         if not samplers:  # only prompt chunks ran: their K/V are cached, nothing to sample yet
             return failed
@@ -491,7 +490,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         pc = self.block_manager.prefix_cache
         d = self.engine_stats.as_dict()
         if self.kv_connector is not None:  # chapter 17: what moved, and the requests whose transfer failed
-            d.update(self.kv_stats.as_dict(), kv_load_failures=self.kv_connector.num_load_failures,
+            d.update(kv_load_failures=self.kv_connector.num_load_failures,
                      kv_send_timeouts=self.kv_connector.num_send_timeouts)
         return {"num_blocks": self.block_manager.num_blocks, **d,
                 "prefix_hit_rate": d["prefix_hit_rate"] if pc else None}
