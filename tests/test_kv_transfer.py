@@ -245,3 +245,28 @@ def test_shared_pool_across_processes(seed, tmp_path, device):
     consumer = json.loads((tmp_path / "consumer.json").read_text())
     assert consumer["got"] == producer["expected"] and producer["timeouts"] == 0
     assert consumer["stats"]["kv_transfers_loaded"] == 4 and consumer["stats"]["num_prompt_tokens"] == 4
+
+
+def test_layer_hooks_run_inside_the_forward_pass_in_layer_order(seed, tok, tmp_path):
+    """The worker's hooks come from each attention layer through the forward context: layer i's load is
+    awaited and its save handed off before layer i + 1 runs, between start_load_kv and wait_for_save."""
+    rng = random.Random(seed)
+    model, config = random_model(rng)
+    requests = make_requests(rng, config.vocab_size, 1)
+    producer = small_engine(model, tok, kv_role="both", kv_path=str(tmp_path))
+    connector, calls = producer.executor.worker.kv_connector, []
+    for name in ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save"):
+        real = getattr(connector, name)
+
+        def spy(*args, _real=real, _name=name):
+            calls.append((_name, connector._index[id(args[0])] if args else None))
+            return _real(*args)
+
+        setattr(connector, name, spy)
+    run(producer, requests, {"do_remote_decode": True}, max_tokens=1)
+    layers = config.num_layers
+    per_step = ([("start_load_kv", None)] + [(h, i) for i in range(layers)
+                                             for h in ("wait_for_layer_load", "save_kv_layer")]
+                + [("wait_for_save", None)])
+    steps = -(-len(requests[0][0]) // 32)  # the prompt's chunks (max_num_batched_tokens=32)
+    assert calls == per_step * steps

@@ -140,6 +140,9 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
                                           make_prefix_cache(config.enable_prefix_caching, config.block_size),
                                           self.engine_stats, track_changes=True)  # the worker keeps the tables
         kv = config.kv_transfer_config  # chapter 17: the scheduler's side of the connector
+        if kv is not None and not isinstance(executor, UniprocExecutor):  # each rank holds a slice of the heads
+            raise ValueError("kv_transfer_config needs a one-worker engine (tensor_parallel_size=1): a KV connector "
+                             "does not yet move a tensor-parallel cache, whose heads are split over the ranks")
         self.kv_connector = make_kv_connector(kv, config.block_size, self.sizes.kv_cache_spec) if kv else None
         self.scheduler = Scheduler(config, self.block_manager, self.kv_connector)
         self.has_proposer = spec is not None

@@ -78,6 +78,8 @@ def build_router(prefill_url: str, decode_url: str, timeout: float = 600.0) -> F
                                            "type": "server_error"}}, 502)
         if first.status_code != 200:  # the client's error as the producer gave it (a 400 names the field)
             return Response(first.content, first.status_code, media_type=first.headers.get("content-type"))
+        if await request.is_disconnected():  # nobody to decode for (the producer's transfer times out)
+            return Response(status_code=499)
         # phase 2: the consumer decodes from the producer's K/V
         upstream = client.build_request("POST", decode_url + path, json=decode_body(body, tid), headers=headers)
         try:

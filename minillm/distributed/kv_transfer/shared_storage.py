@@ -167,14 +167,17 @@ class SharedStorageConnector(KVConnectorBase):
 
     def _read_loop(self, loads) -> None:
         try:
+            sizes = []
+            for ld in loads:
+                meta = self.store.read_meta(ld.key)
+                if meta is None:
+                    raise KVTransferError(f"transfer {ld.key} vanished from {self.config.kv_path!r} before it was "
+                                          "loaded (kv_send_timeout on the producer?)")
+                sizes.append(meta["num_tokens"])
             for i in range(len(self.k_rows)):
                 got = []
-                for ld in loads:
-                    meta = self.store.read_meta(ld.key)
-                    if meta is None:
-                        raise KVTransferError(f"transfer {ld.key} vanished from {self.config.kv_path!r} before it "
-                                              "was loaded (kv_send_timeout on the producer?)")
-                    ko, vo = self._offsets(i, meta["num_tokens"], ld.start)
+                for ld, num_tokens in zip(loads, sizes):
+                    ko, vo = self._offsets(i, num_tokens, ld.start)
                     n = ld.end - ld.start
                     k = torch.from_numpy(self.store.read_rows(ld.key, i, ko, n, self.k_rows[i].shape[1]))
                     v = None
