@@ -23,11 +23,11 @@ from minillm.engine import EngineConfig, LLMEngine
 
 
 def make_requests(rng: random.Random, vocab: int, count: int) -> list[tuple[list[int], int]]:
-    system = [rng.randrange(vocab) for _ in range(rng.randrange(8, 30))]
+    system = [rng.randrange(vocab) for _ in range(rng.randrange(8, 24))]
     out = []
     for _ in range(count):
-        own = [rng.randrange(vocab) for _ in range(rng.randrange(1, 20))]
-        out.append(((system if rng.random() < 0.7 else []) + own, rng.randrange(2, 12)))
+        own = [rng.randrange(vocab) for _ in range(rng.randrange(1, 14))]
+        out.append(((system if rng.random() < 0.7 else []) + own, rng.randrange(2, 8)))
     return out
 
 
@@ -45,13 +45,15 @@ def run(engine: LLMEngine, requests, handle=None, max_tokens=None, prefix="r") -
     return done
 
 
-def engines(model, tok, kv_path, rng, **kv):
-    """A colocated engine, a producer and a consumer, each with its own copy of the model."""
+def engines(model, tok, kv_path, rng, overlap: bool, **kv):
+    """A colocated engine, a producer and a consumer, each with its own copy of the model; overlap
+    scheduling (chapter 13) on or off."""
     bs = rng.choice([1, 4, 16])
-    common = dict(block_size=bs, num_gpu_blocks=400 // bs + 8, max_num_seqs=rng.randrange(2, 6))
+    common = dict(block_size=bs, num_gpu_blocks=400 // bs + 8, max_num_seqs=rng.randrange(2, 6),
+                  async_scheduling=overlap)
     colocated = LLMEngine(copy.deepcopy(model), tok, [], EngineConfig(**common, max_num_batched_tokens=64))
     producer = LLMEngine(copy.deepcopy(model), tok, [], EngineConfig(
-        **common, max_num_batched_tokens=rng.randrange(8, 24), enable_prefix_caching=rng.choice([None, "hash"]),
+        **common, max_num_batched_tokens=rng.randrange(10, 30), enable_prefix_caching=rng.choice([None, "hash"]),
         kv_transfer_config={"kv_role": "producer", "kv_path": str(kv_path), **kv}))
     consumer = LLMEngine(copy.deepcopy(model), tok, [], EngineConfig(
         **common, max_num_batched_tokens=64, enable_prefix_caching=rng.choice([None, "hash", "radix"]),
@@ -63,8 +65,8 @@ def engines(model, tok, kv_path, rng, **kv):
 def test_disaggregated_tokens_equal_colocated(seed, tok, tmp_path, case):
     rng = random.Random(seed * 17 + case)
     model, config = random_model(rng)
-    requests = make_requests(rng, config.vocab_size, rng.randrange(3, 7))
-    colocated, producer, consumer = engines(model, tok, tmp_path, rng)
+    requests = make_requests(rng, config.vocab_size, rng.randrange(3, 5))
+    colocated, producer, consumer = engines(model, tok, tmp_path, rng, overlap=case == 1)
     expected = run(colocated, requests)
     first = run(producer, requests, {"do_remote_decode": True}, max_tokens=1)
     assert all(first[f"r{i}"] == expected[f"r{i}"][:1] for i in range(len(requests)))
@@ -85,7 +87,8 @@ def test_shared_pool_tokens_equal_colocated(seed, tok, tmp_path, case):
     rng = random.Random(seed * 31 + case)
     model, config = random_model(rng)
     requests = make_requests(rng, config.vocab_size, rng.randrange(3, 6))
-    colocated, producer, consumer = engines(model, tok, tmp_path, rng, kv_connector="SharedPoolConnector")
+    colocated, producer, consumer = engines(model, tok, tmp_path, rng, overlap=case == 0,
+                                            kv_connector="SharedPoolConnector")
     expected = run(colocated, requests)
     run(producer, requests, {"do_remote_decode": True}, max_tokens=1)
     held = producer.block_manager.num_used_blocks
@@ -100,8 +103,8 @@ def test_shared_pool_tokens_equal_colocated(seed, tok, tmp_path, case):
     producer.shutdown()
 
 
-def small_engine(model, tok, **kv) -> LLMEngine:
-    config = EngineConfig(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=32,
+def small_engine(model, tok, overlap: bool = False, **kv) -> LLMEngine:
+    config = EngineConfig(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=32, async_scheduling=overlap,
                           kv_transfer_config=kv or None)
     return LLMEngine(copy.deepcopy(model), tok, [], config)
 
@@ -114,8 +117,8 @@ def test_missing_remote_kv_fails_clearly_or_is_prefilled_here(seed, tok, tmp_pat
     model, config = random_model(rng)
     requests = make_requests(rng, config.vocab_size, 2)
     expected = run(small_engine(model, tok), requests)
-    consumer = small_engine(model, tok, kv_role="consumer", kv_path=str(tmp_path), kv_load_timeout=0.2,
-                            kv_load_failure_policy=policy)
+    consumer = small_engine(model, tok, overlap=policy == "fail", kv_role="consumer", kv_path=str(tmp_path),
+                            kv_load_timeout=0.2, kv_load_failure_policy=policy)
     params = SamplingParams(temperature=0.0, max_tokens=requests[0][1], ignore_eos=True,
                             extra_args={"kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "lost"}})
     consumer.add_request("lost", {"prompt_token_ids": requests[0][0]}, params)
@@ -161,9 +164,12 @@ def test_store_entries_nobody_picks_up_are_deleted(seed, tok, tmp_path, monkeypa
     rng = random.Random(seed + 2)
     model, config = random_model(rng)
     requests = make_requests(rng, config.vocab_size, 2)
-    producer = small_engine(model, tok, kv_role="producer", kv_path=str(tmp_path), kv_send_timeout=0.0)
+    producer = small_engine(model, tok, kv_role="producer", kv_path=str(tmp_path), kv_send_timeout=60.0)
     run(producer, requests, {"do_remote_decode": True}, max_tokens=1)
     assert len(list(tmp_path.iterdir())) == 2 and producer.block_manager.num_used_blocks == 0  # push: freed
+    producer.step()
+    assert len(list(tmp_path.iterdir())) == 2  # within the timeout: kept
+    producer.kv_connector.config.kv_send_timeout = 0.0
     producer.step()
     assert list(tmp_path.iterdir()) == [] and producer.stats["kv_send_timeouts"] == 2
 

@@ -37,7 +37,7 @@ spec_decode_steps.py.
 Disaggregated prefill and decode (chapter 17, EngineConfig.kv_transfer_config): the engine holds the
 scheduler side of a KV connector (distributed/kv_transfer/), the worker the other; each step's loads
 and saves travel in the ModelInput, and the bytes moved come back in the worker's answer
-(engine.stats: kv_bytes_saved, kv_save_gb_per_s, ...). Such an engine steps without overlap.
+(engine.stats: kv_bytes_saved, kv_save_gb_per_s, ...), with or without overlap scheduling.
 """
 
 from __future__ import annotations
@@ -148,8 +148,6 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         self.has_proposer = spec is not None
         auto = self.sizes.device.type == "cuda"  # overlap pays where a GPU runs beside the host
         self.async_scheduling = auto if config.async_scheduling is None else config.async_scheduling
-        if kv is not None:  # (the overlapped step does not carry the connector's work and stats yet)
-            self.async_scheduling = False
         self._host_sampled: set[str] = set()  # requests the overlapped step cannot sample (overlap_steps.py)
         if spec is not None:
             self.scheduler.num_lookahead = self._num_lookahead
@@ -269,15 +267,11 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
     def _step_sync(self, unfinished_outputs: bool) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.executor.swap_and_copy(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
-        failed, reserved = [], []
-        if sched.kv_failed:  # chapter 17: remote K/V that never came (kv_load_failure_policy "fail")
-            failed = self._fail({self._group_of[s.seq_id]: e for s, e in sched.kv_failed if s.seq_id in self._group_of})
+        failed, reserved = self._kv_failed(sched), []
         if self.has_proposer:
             not_proposed, reserved = self._propose(sched)
             failed += not_proposed
         if sched.is_empty:
-            if self.scheduler.only_transfers:  # waiting on another engine: no busy loop meanwhile
-                time.sleep(0.002)
             return failed
         logits_indices, samplers = self._logits_rows(sched)
         seqs, rows = self._sampling_order(sched, samplers)
@@ -299,6 +293,15 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
             if not seq.finished:
                 self.block_manager.trim(seq.seq_id, seq.num_tokens)
         return failed + self._outputs([s for s in seqs if s.seq_id in self._group_of], unfinished_outputs)
+
+    def _kv_failed(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """Chapter 17: end the requests whose remote K/V never came (kv_load_failure_policy "fail"); with
+        nothing to compute but transfers to wait for, nap instead of spinning."""
+        if sched.is_empty and self.scheduler.connector is not None and self.scheduler.only_transfers:
+            time.sleep(0.002)
+        if not sched.kv_failed:
+            return []
+        return self._fail({self._group_of[s.seq_id]: e for s, e in sched.kv_failed if s.seq_id in self._group_of})
 
     def _prepare(self, sched: SchedulerOutput, logits_indices: list[int]) -> ModelInput:
         """The step as plain data for the executor (step_input.py)."""
