@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import random
+import time
 
 import pytest
 import torch
@@ -138,9 +139,11 @@ def test_missing_remote_kv_fails_clearly_or_is_prefilled_here(seed, tok, tmp_pat
     assert consumer.block_manager.num_used_blocks == 0
 
 
-def test_unclaimed_transfer_is_freed_after_the_send_timeout(seed, tok, tmp_path):
-    """A consumer that never comes: the producer frees the blocks it kept after kv_send_timeout, and keeps
-    serving; a consumer that comes later gets a clear error instead of blocks someone else now owns."""
+@pytest.mark.parametrize("consumer_died", [False, True])
+def test_unclaimed_transfer_is_freed_after_the_send_timeout(seed, tok, tmp_path, consumer_died):
+    """A consumer that never comes (or claimed the transfer and died mid-copy): the producer frees the blocks
+    it kept after kv_send_timeout (twice that for a claimed one), and keeps serving; a consumer that comes
+    later gets a clear error instead of blocks someone else now owns."""
     rng = random.Random(seed + 1)
     model, config = random_model(rng)
     requests = make_requests(rng, config.vocab_size, 2)
@@ -149,8 +152,14 @@ def test_unclaimed_transfer_is_freed_after_the_send_timeout(seed, tok, tmp_path)
     producer = small_engine(model, tok, kv_role="producer", **kv)
     run(producer, requests[:1], {"do_remote_decode": True}, max_tokens=1)
     assert producer.block_manager.num_used_blocks > 0 and producer.has_unfinished_requests()
+    if consumer_died:  # its claim stays, its .done never comes
+        (meta,) = tmp_path.glob("t0-*.json")
+        (tmp_path / meta.name.replace(".json", ".claim")).touch()
+    t0 = time.monotonic()
     while producer.has_unfinished_requests():  # nobody picks it up: the timeout frees the blocks
         producer.step()
+    if consumer_died:  # waited for the claimant past the plain timeout (twice it, less the steps since publishing)
+        assert time.monotonic() - t0 > 0.4
     assert producer.block_manager.num_used_blocks == 0 and producer.stats["kv_send_timeouts"] == 1
     assert run(producer, requests[1:], prefix="next") == {"next0": expected["r1"]}  # still serving
     consumer = small_engine(model, tok, kv_role="consumer", kv_load_timeout=0.2, **kv)

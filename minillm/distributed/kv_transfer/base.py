@@ -90,7 +90,9 @@ class KVTransferStats:
     bytes_saved: int = 0
     bytes_loaded: int = 0
     seconds_saving: float = 0.0  # wall time from a step's first save to its wait_for_save returning
-    seconds_loading: float = 0.0  # wall time from start_load_kv to the last layer's load landing
+    # from start_load_kv to the last layer's load landing: wall time, or on a GPU with the shared pool the
+    # side stream's copies alone (device events), however long the layers' compute took beside them
+    seconds_loading: float = 0.0
     transfers_saved: int = 0
     transfers_loaded: int = 0
 

@@ -189,9 +189,11 @@ class SharedPoolConnector(KVConnectorBase):
             side, self._events = torch.cuda.Stream(), []
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
+                self._first = torch.cuda.Event(enable_timing=True)
+                self._first.record()
                 for i in range(len(self.k_rows)):
                     self._copy_layer(i)
-                    self._events.append(torch.cuda.Event())
+                    self._events.append(torch.cuda.Event(enable_timing=True))
                     self._events[-1].record()
 
     def _copy_layer(self, i: int) -> None:
@@ -217,11 +219,12 @@ class SharedPoolConnector(KVConnectorBase):
     def wait_for_save(self) -> None:
         if self.meta is None or not self.meta.loads:
             return
+        seconds = time.perf_counter() - self._t_load
         if self._events is not None:
             self._events[-1].synchronize()  # our copies are done: the producer may reuse its blocks
+            seconds = self._first.elapsed_time(self._events[-1]) / 1e3  # the copies' own time on the device
         for key, *_ in self._jobs:
             _create_excl(self._path(key + ".done"))
-        seconds = time.perf_counter() - self._t_load
         self.stats.transfers_loaded += len(self._jobs)
         self.stats.seconds_loading += seconds
         log_transfer("loaded", len(self._jobs), self.stats.bytes_loaded, seconds)
