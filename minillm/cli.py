@@ -190,6 +190,14 @@ def _serve(args) -> int:
     return run_server(args)
 
 
+def _router(args) -> int:
+    try:
+        from .entrypoints.router import run_router
+    except ModuleNotFoundError as e:
+        raise ValueError(f"`minillm router` needs {e.name}: pip install 'minillm[serve]'") from None
+    return run_router(args)
+
+
 QUANTIZATION_HELP = ("weights in fewer bits: int8, int4, awq, gptq (NAME:key=value,... for options, e.g. "
                      "awq:group_size=64), or a folder written by `minillm quantize`")
 
@@ -304,11 +312,15 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--check", action="store_true", help="exit 1 if a notebook is stale or unknown")
     st.set_defaults(fn=_labs_stale)
 
-    from .entrypoints.openai.cli_args import add_serve_args
+    from .entrypoints.openai.cli_args import add_router_args, add_serve_args
 
     serve = sub.add_parser("serve", help="serve a model over HTTP with the OpenAI API (needs minillm[serve])")
     add_serve_args(serve)
     serve.set_defaults(fn=_serve)
+
+    router = sub.add_parser("router", help="one OpenAI endpoint over a prefill and a decode server (chapter 17)")
+    add_router_args(router)
+    router.set_defaults(fn=_router)
 
     ev = sub.add_parser("eval", help="measure a model's quality")
     ev_sub = ev.add_subparsers(dest="eval_command", required=True)

@@ -34,6 +34,8 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # no KV blocks: not started, or preempted to be recomputed
     RUNNING = "running"  # holds GPU blocks, is scheduled every step
     SWAPPED = "swapped"  # preempted, its blocks parked in CPU memory
+    # chapter 17: its prompt's K/V are to come from another engine and are not there yet (vLLM's name)
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED = "finished"
 
 
@@ -83,6 +85,7 @@ class Sequence:
         # min_acceptance_rate's back-off: the running acceptance rate, the current pause (output tokens)
         # and the output length at which drafting resumes
         self.spec_recent_rate, self.spec_pause, self.spec_resume_at = 1.0, 0, 0
+        self.kv_transfer_params: dict | None = None  # chapter 17: the handle a producer's finished request gives
 
     @property
     def finished(self) -> bool:

@@ -9,6 +9,7 @@ the world size and the collectives; with one rank those are 0, 1 and the identit
     measure.py           all-reduce times on a spawned group, eager and in a CUDA graph (for the alpha-beta fit)
     greedy.py            greedy decoding across the ranks (rank 0 samples and broadcasts)
     cost_model.py        the alpha-beta cost of an all-reduce, and a fit to measured times
+    kv_transfer/         chapter 17: KV connectors that move a prompt's K/V from a prefill engine to a decode one
 """
 
 from .communication_op import (

@@ -10,6 +10,7 @@ import torch
 
 from ..cache import KVCacheSpec, PagedKVCache, kv_cache_spec
 from ..checks import check_choice, check_int, is_int
+from ..distributed.kv_transfer.config import KVTransferConfig
 from ..layers.quantization.kv_cache import check_kv_cache_device, kv_cache_torch_dtype
 from ..spec_decode.config import SpeculativeConfig
 from ..structured_output.xgrammar_backend import import_xgrammar
@@ -53,6 +54,10 @@ class EngineConfig:
     # structured output (chapter 14; vLLM's name): whose compiler and matcher fill the token bitmask,
     # "minillm" (ours, structured_output/) or "xgrammar" (the PyPI package), behind the same mask point
     structured_outputs_backend: str = "minillm"
+    # disaggregated prefill and decode (chapter 17; vLLM's kv_transfer_config): {"kv_connector":
+    # "SharedStorageConnector" | "SharedPoolConnector", "kv_role": "producer" | "consumer" | "both",
+    # "kv_path": DIR, ...} (distributed/kv_transfer/config.py); None: off
+    kv_transfer_config: dict | KVTransferConfig | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_batch"):
@@ -86,6 +91,8 @@ class EngineConfig:
         if self.structured_outputs_backend == "xgrammar":  # not installed: say so before any model loads
             import_xgrammar()
         kv_cache_torch_dtype(self.kv_cache_dtype)  # an unknown name fails here, before any model is touched
+        if self.kv_transfer_config is not None:
+            self.kv_transfer_config = KVTransferConfig.from_dict(self.kv_transfer_config)
         if self.speculative_config is not None:
             self.speculative_config = spec = SpeculativeConfig.from_dict(self.speculative_config)
             if spec.num_speculative_tokens + 1 > self.max_num_batched_tokens:

@@ -106,6 +106,7 @@ class EngineView:
     built: the tokenizer, the limits, and LLMEngine.check_request itself (it reads only these)."""
 
     check_request = LLMEngine.check_request
+    _check_kv_transfer = LLMEngine._check_kv_transfer  # (chapter 17: reads config.kv_transfer_config)
 
     def __init__(self, engine):
         self.tokenizer, self.config, self.max_model_len = engine.tokenizer, engine.config, engine.max_model_len

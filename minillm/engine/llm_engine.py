@@ -33,6 +33,11 @@ one with the stop checks; then the rollback sets num_computed_tokens to the acce
 newly full, accepted blocks for the prefix cache. Requests whose next-token distribution depends on
 the tokens just accepted (penalties, logprobs, before min_tokens) get no drafts. Those steps live in
 spec_decode_steps.py.
+
+Disaggregated prefill and decode (chapter 17, EngineConfig.kv_transfer_config): the engine holds the
+scheduler side of a KV connector (distributed/kv_transfer/), the worker the other; each step's loads
+and saves travel in the ModelInput, and the bytes moved come back in the worker's answer
+(engine.stats: kv_bytes_saved, kv_save_gb_per_s, ...), with or without overlap scheduling.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ..checks import check_int
+from ..distributed.kv_transfer import make_kv_connector
+from ..distributed.kv_transfer.config import check_role
 from ..executor import Executor, UniprocExecutor
 from ..inputs import check_length, prompt_ids
 from ..outputs import RequestOutput
@@ -133,7 +140,12 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         self.block_manager = BlockManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
                                           make_prefix_cache(config.enable_prefix_caching, config.block_size),
                                           self.engine_stats, track_changes=True)  # the worker keeps the tables
-        self.scheduler = Scheduler(config, self.block_manager)
+        kv = config.kv_transfer_config  # chapter 17: the scheduler's side of the connector
+        if kv is not None and not isinstance(executor, UniprocExecutor):  # each rank holds a slice of the heads
+            raise ValueError("kv_transfer_config needs a one-worker engine (tensor_parallel_size=1): a KV connector "
+                             "does not yet move a tensor-parallel cache, whose heads are split over the ranks")
+        self.kv_connector = make_kv_connector(kv, config.block_size, self.sizes.kv_cache_spec) if kv else None
+        self.scheduler = Scheduler(config, self.block_manager, self.kv_connector)
         self.has_proposer = spec is not None
         auto = self.sizes.device.type == "cuda"  # overlap pays where a GPU runs beside the host
         self.async_scheduling = auto if config.async_scheduling is None else config.async_scheduling
@@ -168,6 +180,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         params.verify(self.model.config.vocab_size)
         if params.structured_outputs is not None:  # a bad schema is refused here, naming the field
             self.structured.validate(params.structured_outputs, f"request {request_id!r}")
+        self._check_kv_transfer(params)
         text, ids = prompt_ids(self.tokenizer, self.model.config.vocab_size, prompt, f"request {request_id!r}")
         check_length(f"request {request_id!r}", len(ids), params, self.max_model_len)
         longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
@@ -195,6 +208,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
             raise ValueError(f"request_id {request_id!r} is already in use")
         name = f"request {request_id!r}"
         prompt_ids(None, self.model.config.vocab_size, {"prompt_token_ids": ids}, name)  # min and max, in C
+        self._check_kv_transfer(params)
         check_length(name, len(ids), params, self.max_model_len)
         seqs = make_sequences(ids, params, self.tokenizer, self.eos_token_ids, self.max_model_len)
         group = SequenceGroup(request_id, text, ids, params, seqs, RequestMetrics(time.perf_counter()), seqs[1:])
@@ -211,6 +225,11 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
             if compiled is not None:
                 self.structured.add(s.seq_id, compiled)
         self.scheduler.add(seqs[0], priority, next(self._arrivals), fanout=len(seqs))
+
+    def _check_kv_transfer(self, params: SamplingParams) -> None:
+        """A handle (extra_args["kv_transfer_params"]) needs a connector whose role serves it."""
+        if params.extra_args:  # (the server's API process runs this too: it reads only the config)
+            check_role(self.config.kv_transfer_config, params.extra_args.get("kv_transfer_params"))
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests and free their blocks; unknown or finished ids are ignored."""
@@ -249,9 +268,10 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
     def _step_sync(self, unfinished_outputs: bool) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.executor.swap_and_copy(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
-        failed, reserved = [], []
+        failed, reserved = self._kv_failed(sched), []
         if self.has_proposer:
-            failed, reserved = self._propose(sched)
+            not_proposed, reserved = self._propose(sched)
+            failed += not_proposed
         if sched.is_empty:
             return failed
         logits_indices, samplers = self._logits_rows(sched)
@@ -262,6 +282,8 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
             out = self.executor.execute_model(step)
         except Exception as e:  # the forward pass concerns every scheduled request
             return failed + self._fail({self._group_of[s.seq_id]: e for s, _ in sched.scheduled})
+        if out.kv_stats is not None:
+            self.engine_stats.kv.add(out.kv_stats)
         self._advance(sched)
         if not samplers:  # only prompt chunks ran: their K/V are cached, nothing to sample yet
             return failed
@@ -273,13 +295,25 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
                 self.block_manager.trim(seq.seq_id, seq.num_tokens)
         return failed + self._outputs([s for s in seqs if s.seq_id in self._group_of], unfinished_outputs)
 
+    def _kv_failed(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """Chapter 17: end the requests whose remote K/V never came (kv_load_failure_policy "fail"); with
+        nothing to compute but transfers to wait for, nap instead of spinning."""
+        if sched.is_empty and self.scheduler.connector is not None and self.scheduler.only_transfers:
+            time.sleep(0.002)
+        if not sched.kv_failed:
+            return []
+        return self._fail({self._group_of[s.seq_id]: e for s, e in sched.kv_failed if s.seq_id in self._group_of})
+
     def _prepare(self, sched: SchedulerOutput, logits_indices: list[int]) -> ModelInput:
         """The step as plain data for the executor (step_input.py)."""
         if sched.decode_only:  # one token per sequence, each its last: the short path
-            return prepare_decode_input([s for s, _ in sched.scheduled], self.block_manager.block_tables,
+            step = prepare_decode_input([s for s, _ in sched.scheduled], self.block_manager.block_tables,
                                         self.config.block_size, self.block_manager.take_table_changes())
-        return prepare_model_input(sched.scheduled, self.block_manager.block_tables, self.config.block_size,
-                                   logits_indices, self.block_manager.take_table_changes())
+        else:
+            step = prepare_model_input(sched.scheduled, self.block_manager.block_tables, self.config.block_size,
+                                       logits_indices, self.block_manager.take_table_changes())
+        step.kv_connector_metadata = sched.kv_connector_metadata
+        return step
 
     def _logits_rows(self, sched: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
         """Which rows of the step's packed tokens get logits (vLLM's logits_indices), and whose they are: a
@@ -462,6 +496,9 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         """engine_stats as one dict, with the pool's size (what the bench and the notebooks print)."""
         pc = self.block_manager.prefix_cache
         d = self.engine_stats.as_dict()
+        if self.kv_connector is not None:  # chapter 17: what moved, and the requests whose transfer failed
+            d.update(kv_load_failures=self.kv_connector.num_load_failures,
+                     kv_send_timeouts=self.kv_connector.num_send_timeouts)
         return {"num_blocks": self.block_manager.num_blocks, **d,
                 "prefix_hit_rate": d["prefix_hit_rate"] if pc else None}
 

@@ -64,8 +64,9 @@ class OverlapSteps:
         sched = self.scheduler.schedule()
         prev = self._inflight
         self.executor.swap_and_copy(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
+        kv_failed = self._kv_failed(sched)  # chapter 17: remote K/V that never came
         if sched.is_empty:
-            return self._drain()
+            return kv_failed + self._drain()
         logits_indices, samplers = self._logits_rows(sched)
         try:
             step = self._prepare(sched, logits_indices)
@@ -73,13 +74,15 @@ class OverlapSteps:
             # sampled on the device, each row's RNG counter counting its pending tokens too
             step.sampling = sampling_input(seqs, rows, on_device=True) if seqs else None
             out = self.executor.execute_model(step)
+            if out.kv_stats is not None:
+                self.engine_stats.kv.add(out.kv_stats)
             filled = self._count_computed(sched)
             if samplers and not sched.decode_only:
                 self._join_forks(samplers)
             inflight = InflightStep(seqs, out.pending, filled, unfinished_outputs) if seqs else None
         except Exception as e:  # the forward pass (or its sampling) concerns every scheduled request
             failed = self._fail({self._group_of[s.seq_id]: e for s, _ in sched.scheduled if s.seq_id in self._group_of})
-            return self._drain() + failed
+            return kv_failed + self._drain() + failed
         for row, seq in enumerate(seqs):
             # the token is on its way; a sequence that this token certainly ends gets no further step
             p = seq.params
@@ -91,7 +94,7 @@ class OverlapSteps:
             self._name_blocks(filled)
         outputs = self._process(prev) if prev is not None else []
         self._inflight = inflight
-        return outputs
+        return kv_failed + outputs
 
     def _count_computed(self, sched) -> list[tuple[Sequence, int, int]]:
         """_advance's counting, without naming blocks (their tokens may still be on the GPU)."""

@@ -22,6 +22,15 @@ Order is (priority, arrival): lower priority values go first, then first come, f
 Finished sequences leave at once (`finish`), so their blocks serve someone else the next step.
 The waiting queue is a heap with O(1) removal (waiting_queue.py): admitting, finishing and aborting
 cost O(log n) whatever the queue's length, so a burst of aborts never stalls the next step.
+
+Disaggregated serving (chapter 17, a KV connector): admission asks the connector how many prompt
+tokens beyond the local prefix-cache hits another engine computed; those are allocated with the rest
+and loaded by the worker in the step's forward pass, layer by layer, and only the prompt's last token
+is computed here. A request whose remote K/V is not there yet waits in `waiting_for_remote_kvs`
+(WAITING_FOR_REMOTE_KVS) and is asked about again each step, until it comes or kv_load_timeout ends the
+wait (kv_load_failure_policy: the request fails, or is prefilled here). A finished request whose
+blocks the connector still sends (a pull transport) keeps them in `sending` until the connector says
+they went, or timed out.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..distributed.kv_transfer import KVConnectorBase, KVConnectorMetadata, KVTransferError
 from ..sequence import Sequence, SequenceStatus
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -45,6 +55,8 @@ class SchedulerOutput:
     # every scheduled sequence runs exactly its one last token: no prompt chunk, no drafts, no forks to
     # join, nobody admitted or swapped in (chapter 13: the engine's per-step work has a short path then)
     decode_only: bool = False
+    kv_connector_metadata: KVConnectorMetadata | None = None  # chapter 17: the step's loads and saves
+    kv_failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # remote K/V that never came
 
     @property
     def num_batched_tokens(self) -> int:
@@ -56,8 +68,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, connector: KVConnectorBase | None = None):
         self.config, self.bm = config, block_manager
+        self.connector = connector  # chapter 17: the scheduler side of a KV connector, or None
+        self.waiting_for_remote_kvs: list[Sequence] = []
+        self.sending: dict[int, Sequence] = {}  # seq_id -> a finished sequence whose blocks are still sent
         self.waiting = WaitingQueue(self._key)  # (priority, arrival) order; O(log n) in, O(1) out
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -88,7 +103,12 @@ class Scheduler:
         self._in_order = False
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.waiting_for_remote_kvs or self.sending)
+
+    @property
+    def only_transfers(self) -> bool:
+        """Nothing to compute, only remote K/V to wait for or blocks being sent (the engine naps)."""
+        return not (self.waiting or self.running or self.swapped)
 
     def _key(self, seq: Sequence) -> tuple:
         return self._order[seq.seq_id]
@@ -108,6 +128,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.connector is not None:
+            self._poll_transfers(out)
         budget = self.config.max_num_batched_tokens
         # Within a priority, decodes before prompt chunks (Sarathi-Serve): a long prompt never delays
         # the next token of a sequence already generating.
@@ -151,7 +173,53 @@ class Scheduler:
         # everyone decodes, nobody joined (admitted, swapped in) and nobody was preempted: the order stands
         self._in_order = all_one and not out.preempted and len(self.running) == kept
         out.blocks_to_copy, self.bm.pending_copies = self.bm.pending_copies, []
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out.scheduled, self.bm.block_tables)
         return out
+
+    # ---- chapter 17: remote K/V --------------------------------------------------------------------
+
+    def _poll_transfers(self, out: SchedulerOutput) -> None:
+        """Free the blocks whose sending ended; move sequences whose remote K/V arrived back to waiting."""
+        for seq_id in self.connector.get_finished():
+            if self.sending.pop(seq_id, None) is not None:
+                self.bm.free(seq_id)
+        still = []
+        for seq in self.waiting_for_remote_kvs:
+            try:
+                ready = self.connector.get_num_new_matched_tokens(seq, 0) is not None
+            except KVTransferError as e:
+                ready = self._load_failed(seq, e, out)
+            if ready:  # admitted in its (priority, arrival) place, as if it had waited there
+                seq.status = SequenceStatus.WAITING
+                self.waiting.append(seq)
+            elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS:
+                still.append(seq)
+        self.waiting_for_remote_kvs = still
+
+    def _load_failed(self, seq: Sequence, error: Exception, out: SchedulerOutput) -> bool:
+        """kv_load_failure_policy: "recompute" -> True (prefill it here); "fail" -> False, the engine ends it."""
+        if self.connector.config.kv_load_failure_policy == "recompute":
+            self.connector.forget(seq)
+            return True
+        seq.status = SequenceStatus.FINISHED  # out of every queue; the engine reports the error
+        out.kv_failed.append((seq, error))
+        return False
+
+    def _remote_tokens(self, seq: Sequence, computed: int, out: SchedulerOutput) -> int | None:
+        """Prompt tokens after `computed` to load from the remote side; None: the sequence left waiting."""
+        try:
+            n = self.connector.get_num_new_matched_tokens(seq, computed)
+        except KVTransferError as e:
+            self.waiting.popleft()
+            if self._load_failed(seq, e, out):
+                self.waiting.append(seq)  # (forgotten by the connector: admitted as a local prefill)
+            return None
+        if n is None:  # not there yet: it waits aside, and the queue moves on
+            self.waiting.popleft()
+            seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+            self.waiting_for_remote_kvs.append(seq)
+        return n
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         self.swapped.sort(key=self._key)
@@ -181,12 +249,18 @@ class Scheduler:
             seq = self.waiting.peek()
             hits = self.bm.match_prefix(seq.token_ids)
             computed = len(hits) * self.bm.block_size
-            n = min(seq.num_tokens - computed, budget)
-            if not self.bm.allocate_slots(seq.seq_id, computed + n, n, hits):
+            remote = 0
+            if self.connector is not None and (remote := self._remote_tokens(seq, computed, out)) is None:
+                continue
+            n = min(seq.num_tokens - computed - remote, budget)
+            if not self.bm.allocate_slots(seq.seq_id, computed + remote + n, remote + n, hits):
                 break  # the pool is full: wait for blocks (FCFS: nobody overtakes the head)
             self.waiting.popleft()
             self.bm.count_prefix_hits(seq.token_ids, len(hits))
             seq.num_computed_tokens = computed
+            if remote:  # loaded in this step's forward pass, before the layers attend
+                self.connector.update_state_after_alloc(seq, self.bm.block_tables[seq.seq_id], remote)
+                seq.num_computed_tokens += remote
             seq.num_draft_computed = 0  # prefix hits hold the target's K/V, not a draft model's
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -232,6 +306,15 @@ class Scheduler:
                 self.running.remove(seq)
             elif seq.status is SequenceStatus.SWAPPED and seq in self.swapped:
                 self.swapped.remove(seq)
+            elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS and seq in self.waiting_for_remote_kvs:
+                self.waiting_for_remote_kvs.remove(seq)
+        if self.connector is not None:
+            delay, seq.kv_transfer_params = self.connector.request_finished(seq, self.bm.block_tables.get(seq.seq_id, []))
+            if delay:  # a pull transport reads these blocks after the request ended: freed when it says so
+                self.sending[seq.seq_id] = seq
+                self._order.pop(seq.seq_id, None)
+                self._fanout.pop(seq.seq_id, None)
+                return
         self.bm.free(seq.seq_id)
         self._order.pop(seq.seq_id, None)
         self._fanout.pop(seq.seq_id, None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field, fields
 
+from ..distributed.kv_transfer.base import KVTransferStats
 from ..spec_decode.metrics import SpecDecodeMetrics
 
 
@@ -26,6 +27,7 @@ class EngineStats:
     num_generation_tokens: int = 0  # tokens sampled
     num_failed_requests: int = 0  # requests ended by an error in their step (finish_reason "error")
     spec: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)  # drafts and acceptance (chapter 09)
+    kv: KVTransferStats = field(default_factory=KVTransferStats)  # KV moved by a connector (chapter 17)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -40,6 +42,6 @@ class EngineStats:
             setattr(self, f.name, copy.deepcopy(getattr(snap, f.name)))
 
     def as_dict(self) -> dict:
-        counters = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "spec"}
+        counters = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("spec", "kv")}
         return {**counters, "prefix_hit_rate": self.prefix_hit_rate,
-                **{f"spec_{k}": v for k, v in self.spec.as_dict().items()}}
+                **{f"spec_{k}": v for k, v in self.spec.as_dict().items()}, **self.kv.as_dict()}

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache.spec import KVCacheSpec
+from ..forward_context import maybe_forward_context
 from ..kernels import flash_attn, flash_decode
 from ..kernels import store_kv as _store
 from ..kernels.checks import KV_QUANT_DTYPES
@@ -118,6 +119,8 @@ class Attention(nn.Module):
         self.register_buffer("unit_k_scale", torch.ones(num_kv_heads, dtype=torch.float32), persistent=False)
         self.kv_scale_qmax: float | None = None  # None: not calibrated (a quantized cache is refused)
 
+    kv_connector_hooks = True  # chapter 17: _cached calls a KV connector's layer hooks (other layers refuse one)
+
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
         """What this layer caches per token: a key and a value per KV head (fp8/int8: with scales)."""
         return KVCacheSpec(self.num_kv_heads, self.head_dim, dtype, has_scales=dtype in KV_QUANT_DTYPES)
@@ -150,6 +153,10 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("attention metadata has a slot_mapping but no KV cache is bound to this layer")
         k_cache, v_cache = self.kv_cache  # [num_blocks, block_size, Hkv, D] each
+        ctx = maybe_forward_context()
+        connector = ctx.kv_connector if ctx is not None else None  # chapter 17: a KV connector's hooks
+        if connector is not None:  # this layer's remote K/V land in its blocks before it attends over them
+            connector.wait_for_layer_load(self)
         quantized = k_cache.dtype in KV_QUANT_DTYPES  # fp8/int8: quantized on write, dequantized in the kernels
         if quantized and self.kv_scale_qmax is None:
             raise RuntimeError(f"a {k_cache.dtype} KV cache is bound but this layer's k_scale/v_scale were "
@@ -167,6 +174,8 @@ class Attention(nn.Module):
             store_kv(k, v, k_cache, v_cache, m.slot_mapping, **write_scales)
             if quantized:
                 q = fold_k_scale(q, self.k_scale)  # the keys' per-channel scales, applied to the query instead
+        if connector is not None:  # handed off as soon as they are written: the save overlaps what follows
+            connector.save_kv_layer(self, k_cache, v_cache, m)
         scales = dict(k_scale=self.unit_k_scale, v_scale=self.v_scale) if quantized else {}
         triton = use_triton(q)
         if m.max_seqlen == 1:  # decode: one query per sequence over its whole cached past

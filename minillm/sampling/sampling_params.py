@@ -22,6 +22,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..distributed.kv_transfer.config import check_kv_transfer_params
 from ..structured_output.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
@@ -56,6 +57,9 @@ class SamplingParams:
     logprobs: int | None = None  # return the log-probabilities of this many top tokens per step
     skip_special_tokens: bool = True
     structured_outputs: Any = None  # StructuredOutputsParams (or its fields as a dict): chapter 14
+    # vLLM's extra_args: what a plug-in reads per request; chapter 17's KV connectors read
+    # extra_args["kv_transfer_params"] (the disaggregated request's handle, distributed/kv_transfer/config.py)
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self):
         self.verify()
@@ -121,6 +125,10 @@ class SamplingParams:
             if self.ignore_eos:
                 raise ValueError("structured_outputs cannot be combined with ignore_eos: a finished grammar "
                                  "allows only EOS")
+        if self.extra_args is not None:
+            if not isinstance(self.extra_args, dict):
+                raise TypeError(f"extra_args must be a dict or None, not {type(self.extra_args).__name__}")
+            check_kv_transfer_params(self.extra_args.get("kv_transfer_params"))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, not {type(getattr(self, name)).__name__}")

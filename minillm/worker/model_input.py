@@ -58,6 +58,7 @@ class ModelRunnerOutput:
     errors: dict[int, Exception] = field(default_factory=dict)  # sequence -> why it got no token
     pending: Any = None  # SampledTokens on their way to the host (on_device steps)
     logits: Any = None  # [rows, V] when the step asked for no sampling (tests, labs, chapter 09's bench)
+    kv_stats: Any = None  # chapter 17: KVTransferStats of the step's KV loads and saves (None: no connector)
 
 
 @dataclass
@@ -80,6 +81,8 @@ class ModelInput:
     dropped_tables: list[int] = field(default_factory=list)
     # the worker samples (sample_step.py); None: the step returns its logits instead
     sampling: SamplingInput | None = None
+    # chapter 17: the KV connector's loads and saves this step (KVConnectorMetadata), or None
+    kv_connector_metadata: Any = None
 
     @property
     def num_tokens(self) -> int:

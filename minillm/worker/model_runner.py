@@ -37,9 +37,10 @@ def take_prev_tokens(input_ids: torch.Tensor, step: ModelInput, prev_tokens: tor
 
 
 def forward_packed(model, device, step: ModelInput, prev_tokens: torch.Tensor | None = None,
-                   block_table=None) -> torch.Tensor:
+                   block_table=None, kv_connector=None) -> torch.Tensor:
     """One eager forward pass over a ModelInput; -> logits [len(step.logits_indices), vocab] fp32.
-    block_table: the step's [B, W] table when the worker keeps the tables (else step.block_table)."""
+    block_table: the step's [B, W] table when the worker keeps the tables (else step.block_table).
+    kv_connector: chapter 17's worker side, bound to the step's work; its attention hooks run inside."""
     meta = AttentionMetadata.from_seq_lens(step.query_lens, device)
     meta.seq_lens = torch.tensor(step.seq_lens, dtype=torch.int32, device=device)  # [B]
     table = step.block_table if block_table is None else block_table
@@ -47,15 +48,16 @@ def forward_packed(model, device, step: ModelInput, prev_tokens: torch.Tensor | 
     meta.slot_mapping = torch.tensor(step.slot_mapping, dtype=torch.int64, device=device)  # [T]
     input_ids = torch.tensor(step.input_ids, device=device)  # [T]
     take_prev_tokens(input_ids, step, prev_tokens)
-    with set_forward_context(meta):
+    with set_forward_context(meta, kv_connector=kv_connector):
         hidden = model(input_ids, torch.tensor(step.positions, device=device), meta)  # [T, hidden]
     rows = torch.tensor(step.logits_indices, dtype=torch.long, device=device)  # [rows]
     return model.compute_logits(hidden[rows])  # [rows, vocab]
 
 
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache, config, max_model_len: int):
+    def __init__(self, model, cache: PagedKVCache, config, max_model_len: int, kv_connector=None):
         self.model, self.cache = model, cache
+        self.kv_connector = kv_connector  # chapter 17: the worker side of a KV connector, or None
         self.block_size = cache.block_size
         self.device = cache.device
         self.max_model_len = max_model_len
@@ -95,6 +97,9 @@ class ModelRunner:
         self.bind()
         if step.prev_token_dst and prev_tokens is None:
             raise ValueError("this step takes tokens sampled by the previous one, but none were given")
+        kv_meta = step.kv_connector_metadata
+        if self.kv_connector is not None and kv_meta is not None and kv_meta.has_work:
+            return self._execute_with_transfers(step, prev_tokens, table, kv_meta)
         graphs = self._live_graphs()
         shape = (graphs.shape_for(step.num_tokens, len(step.query_lens), len(step.logits_indices))
                  if graphs is not None else None)
@@ -103,6 +108,20 @@ class ModelRunner:
                               table, step.query_lens, step.logits_indices,
                               (step.prev_token_dst, step.prev_token_src, prev_tokens))
         return forward_packed(self.model, self.device, step, prev_tokens, table)
+
+    def _execute_with_transfers(self, step: ModelInput, prev_tokens, table, kv_meta) -> torch.Tensor:
+        """Chapter 17: a step that loads or saves K/V runs eagerly (a graph replays no Python hook): the
+        loads start, each attention layer waits for its own and hands off its saves, and the step ends
+        when every save is done."""
+        connector = self.kv_connector
+        connector.bind_connector_metadata(kv_meta)
+        try:
+            connector.start_load_kv()
+            logits = forward_packed(self.model, self.device, step, prev_tokens, table, connector)
+            connector.wait_for_save()
+        finally:
+            connector.clear_connector_metadata()
+        return logits
 
     def step_block_table(self, step: ModelInput):
         """The step's [B, W] block table: gathered from the worker's own copy, updated with the step's

@@ -22,6 +22,7 @@ import dataclasses
 import torch
 
 from ..cache.paged import PagedKVCache
+from ..distributed.kv_transfer import make_kv_connector
 from .model_input import ModelInput, ModelRunnerOutput
 from .model_runner import ModelRunner
 from .sample_step import StepSampler, sample_step
@@ -36,6 +37,7 @@ class Worker:
         self.proposer = None
         self.sampler = StepSampler(config.max_num_seqs)
         self.last_sampled: torch.Tensor | None = None  # [R] the last on-device step's tokens (overlap)
+        self.kv_connector = None  # chapter 17: the worker side of a KV connector
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """(GPU blocks, CPU blocks) this worker's memory holds (the engine takes the minimum over workers)."""
@@ -47,7 +49,10 @@ class Worker:
                                                  num_cpu_blocks=num_cpu_blocks)
         self.cache = PagedKVCache(list(sizes.kv_cache_spec), num_gpu_blocks, self.config.block_size, sizes.device,
                                   num_cpu_blocks)
-        self.runner = ModelRunner(self.model, self.cache, self.config, sizes.max_model_len)
+        if (kv := self.config.kv_transfer_config) is not None:  # before the runner binds the pool to the model:
+            self.kv_connector = make_kv_connector(kv, self.config.block_size, sizes.kv_cache_spec)
+            self.kv_connector.register_kv_caches(self.model, self.cache)  # a pull transport may share it
+        self.runner = ModelRunner(self.model, self.cache, self.config, sizes.max_model_len, self.kv_connector)
         self.runner.capture_cuda_graphs(progress)
 
     def attach_proposer(self, proposer, progress: bool = True) -> None:
@@ -70,6 +75,8 @@ class Worker:
         if not sample:
             return None
         out, on_device = sample_step(self.sampler, logits, step.sampling)
+        if self.kv_connector is not None:  # chapter 17: what this step's transfers moved
+            out.kv_stats = self.kv_connector.take_stats()
         self.last_sampled = on_device if on_device is not None else self.last_sampled
         return out
 
@@ -99,6 +106,8 @@ class Worker:
         buffers), so another engine, or a peer in the same process, gets the GPU's memory back."""
         if self.cache is None:
             return
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         self.cache.unbind(self.model)
         if self.runner.graphs is not None:
             self.runner.graphs.clear()

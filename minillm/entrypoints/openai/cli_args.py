@@ -145,6 +145,49 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     for flag, field, kind, text in ENGINE_FLAGS:
         g.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS, help=text)
+    add_kv_transfer_args(p)
+
+
+# (flag, KVTransferConfig field, type, help): disaggregated prefill and decode (chapter 17)
+KV_FLAGS = [
+    ("--kv-connector", "kv_connector", str, "SharedStorageConnector (a file store, push) or SharedPoolConnector "
+     "(the consumer copies from the producer's shared-memory / CUDA-IPC pool)"),
+    ("--kv-role", "kv_role", str, "producer (prefills and saves), consumer (loads and decodes) or both"),
+    ("--kv-path", "kv_path", str, "the folder both engines share (under /dev/shm for memory speed)"),
+    ("--kv-load-timeout", "kv_load_timeout", _seconds, "a consumer waits this long for a handle's KV"),
+    ("--kv-load-failure-policy", "kv_load_failure_policy", str, "fail (the request gets an error) or recompute "
+     "(it is prefilled here)"),
+    ("--kv-send-timeout", "kv_send_timeout", _seconds, "a producer keeps an untaken transfer this long"),
+]
+
+
+def _json_object(value: str) -> dict:
+    import json
+
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"must be a JSON object: {e}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, not {value!r}")
+    return obj
+
+
+def add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("disaggregated prefill and decode (chapter 17)")
+    g.add_argument("--kv-transfer-config", type=_json_object, default=None,
+                   help='vLLM\'s form: a JSON object of the fields below, e.g. \'{"kv_connector": '
+                   '"SharedStorageConnector", "kv_role": "producer", "kv_path": "/dev/shm/kv"}\'')
+    for flag, field, kind, text in KV_FLAGS:
+        g.add_argument(flag, dest=field, type=kind,
+                       default=argparse.SUPPRESS, help=text)
+
+
+def kv_transfer_config(args: argparse.Namespace) -> dict | None:
+    """--kv-transfer-config, with the single flags on top; None when neither was given."""
+    config = dict(getattr(args, "kv_transfer_config", None) or {})
+    config.update({field: getattr(args, field) for _, field, _, _ in KV_FLAGS if hasattr(args, field)})
+    return config or None
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -152,6 +195,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {field: getattr(args, field) for _, field, _, _ in ENGINE_FLAGS if hasattr(args, field)}
     if args.enforce_eager:
         kwargs["enforce_eager"] = True
+    if (kv := kv_transfer_config(args)) is not None:
+        kwargs["kv_transfer_config"] = kv
     return kwargs
 
 
@@ -165,3 +210,11 @@ def build_llm_engine(llm_args: dict, quantization: str | None = None):
 
         llm_args = {**llm_args, "quantization": parse_quantization(quantization)}
     return LLM(**llm_args).engine
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", required=True, help="the producer's base URL (minillm serve --kv-role producer)")
+    p.add_argument("--decode", required=True, help="the consumer's base URL (minillm serve --kv-role consumer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -93,5 +93,12 @@ class _EngineCollector:
                                   value=stats.get("num_preemptions", 0))
         yield CounterMetricFamily("minillm_engine_steps", "Engine steps that ran the model",
                                   value=stats.get("num_steps", 0))
+        for name, what in (("bytes_saved", "KV bytes a connector saved for another engine (chapter 17)"),
+                           ("bytes_loaded", "KV bytes a connector loaded from another engine"),
+                           ("seconds_saving", "Seconds from a step's first KV save to its last landing"),
+                           ("seconds_loading", "Seconds from a step's KV load start to its last layer landing"),
+                           ("transfers_saved", "Prompts whose KV a connector published"),
+                           ("transfers_loaded", "Prompts whose KV a connector loaded")):
+            yield CounterMetricFamily(f"minillm_kv_{name}", what, value=stats.get(f"kv_{name}", 0))
         yield GaugeMetricFamily("minillm_ready", "1 when the engine serves requests (GET /health is 200)",
                                 value=1.0 if self.engine.ready else 0.0)

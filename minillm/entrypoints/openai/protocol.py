@@ -62,6 +62,8 @@ class _SamplingRequest(_Strict):
     # chapter 14: what the output must look like (structured.py turns them into StructuredOutputsParams)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # chapter 17: a disaggregated request's handle (vLLM's field; the router sets it)
+    kv_transfer_params: dict[str, Any] | None = None
 
     def _refuse_unsupported(self) -> None:
         if self.logit_bias:
@@ -81,7 +83,8 @@ class _SamplingRequest(_Strict):
             frequency_penalty=unset(self.frequency_penalty, 0.0), seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens, structured_outputs=structured_outputs)
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens, structured_outputs=structured_outputs,
+            extra_args={"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params else None)
 
     @property
     def include_usage(self) -> bool:
