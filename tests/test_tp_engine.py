@@ -159,6 +159,28 @@ def test_a_dead_worker_ends_in_a_clear_error_not_a_hang(tiny):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 3])
+def test_ngram_drafts_at_tp_make_the_tokens_of_tp1(tmp_path, tp):
+    """Issue 42 item 6: speculative decoding under tensor parallelism (n-gram drafts, looked up on rank 0;
+    the verify step is an ordinary sharded forward pass with k + 1 logits rows per sequence)."""
+    model = make_tiny("llama3", tmp_path / "six-heads", num_attention_heads=6, num_key_value_heads=6,
+                      hidden_size=96, intermediate_size=96)
+    rng = random.Random(random.randrange(1 << 30))
+    loop = [rng.randrange(VOCAB) for _ in range(5)]  # repeated: the drafter finds what to propose
+    prompts = [{"prompt_token_ids": loop * 4 + [rng.randrange(VOCAB) for _ in range(n)]} for n in (1, 3, 6)]
+    steps = 16
+    with LLM(model, **ENGINE) as ref:
+        want = _greedy(ref, prompts, steps, logprobs=2)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    with LLM(model, tensor_parallel_size=tp, speculative_config=spec, **ENGINE) as llm:
+        got = _greedy(llm, prompts, steps)
+        metrics = llm.engine.engine_stats.spec
+    assert metrics.num_draft_tokens > 0 and metrics.num_accepted_tokens > 0, metrics
+    assert_tokens_until_ties(want, got, steps)
+    assert not model_parallel_is_initialized()
+
+
+@pytest.mark.slow
 def test_engines_of_different_sizes_come_and_go_in_one_process(tmp_path):
     """Issue 50: four engines in one process (TP 2, 3, 1, 2), each ended a different way (shutdown(),
     `with`, `del` and garbage collection, `del` alone): each starts, makes the TP=1 tokens and leaves
@@ -206,8 +228,8 @@ def test_a_second_live_tp_engine_is_refused_clearly(tiny):
     (dict(tensor_parallel_size=2.0), "tensor_parallel_size must be a positive integer"),
     (dict(tensor_parallel_size=2, enable_kv_cache=False), "needs the engine"),
     (dict(tensor_parallel_size=2, kv_cache_dtype="int8"), "kv_cache_dtype"),
-    (dict(tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-     "speculative decoding"),
+    (dict(tensor_parallel_size=2, speculative_config={"method": "layer_skip", "num_speculative_tokens": 2,
+                                                       "num_draft_layers": 1}), "drafts only with method 'ngram'"),
     (dict(tensor_parallel_size=2, quantization="awq"), "calibrates each whole layer"),
     (dict(tensor_parallel_size=2, quantization={"method": "gptq", "group_size": 32}), "calibrates each whole layer"),
     (dict(tensor_parallel_size=2, quantization="gguf"), "gguf|GGUF|one GPU"),

@@ -41,6 +41,7 @@ from ..distributed import (
     model_parallel_is_initialized,
 )
 from ..layers.quantization import get_quantization_config
+from ..spec_decode import make_proposer
 from ..worker.model_input import ModelInput, ModelRunnerOutput
 from ..worker.worker import Worker
 from ..worker.worker_proc import serve_rank
@@ -65,9 +66,11 @@ def check_tp_engine(config) -> None:
     """What tensor parallelism does not run (yet): refused before any process starts."""
     if config is None:
         raise ValueError("tensor_parallel_size > 1 needs the engine (enable_kv_cache=True)")
-    if config.speculative_config is not None:
-        raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported: the draft "
-                         "passes run on one rank's worker only")
+    spec = config.speculative_config
+    if spec is not None and spec.method != "ngram":
+        raise ValueError(f"speculative decoding with tensor_parallel_size > 1 drafts only with method 'ngram' "
+                         f"(no forward passes: rank 0 looks the drafts up alone), not {spec.method!r}; a "
+                         f"model's draft passes would need every rank")
     if config.kv_cache_dtype not in (None, "auto"):
         raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} with tensor_parallel_size > 1 is not "
                          f"supported: its scales are calibrated by forward passes on rank 0 alone")
@@ -213,6 +216,8 @@ class MultiprocExecutor(Executor):
         self._call("initialize_cache", num_gpu_blocks, num_cpu_blocks,
                    local=lambda: self.worker.initialize_cache(num_gpu_blocks, num_cpu_blocks, progress))
         self.sizes = self.worker.sizes
+        if self.config.speculative_config is not None:  # n-gram lookups (check_tp_engine): rank 0's alone
+            self.worker.attach_proposer(make_proposer(self.config.speculative_config, None, None, self.sizes))
 
     def execute_model(self, model_input: ModelInput) -> ModelRunnerOutput:
         prev_tokens = self.worker.last_sampled  # rank 0 sampled them: the other ranks get a copy
@@ -231,7 +236,9 @@ class MultiprocExecutor(Executor):
         self._call("swap_and_copy", swap_out, swap_in, copies)
 
     def propose(self, seqs, num_spec, table_changes):
-        raise NotImplementedError("speculative decoding is not supported with tensor parallelism")
+        """Chapter 09's n-gram drafts, on rank 0 alone: a lookup in the tokens, no forward pass. The other
+        ranks get the drafts' table changes with the verify step's message."""
+        return self.worker.propose(seqs, num_spec, table_changes)
 
     def capture_token_buckets(self) -> None:
         self._call("capture_token_buckets", self.sizes.max_model_len)
