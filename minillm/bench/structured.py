@@ -284,7 +284,8 @@ def run(model=None, *, tokenizer=None, quick=None, repeats=3, walk_steps=None, b
     info = header(f"structured: {models.label}; {repeats} repeats, walks of {walk_steps} steps, "
                   f"batch sizes {batch_sizes}, {max_tokens} new tokens{' (quick)' if quick else ''}")
     result = {**info, "versions": versions(), "device": describe_device(device), "commit": git_commit(),
-              "date": time.strftime("%Y-%m-%d"), "quick": quick, "repeats": repeats, "model": models.label}
+              "date": time.strftime("%Y-%m-%d"), "quick": quick, "repeats": repeats, "model": models.label,
+              "backend": engine_args.get("structured_outputs_backend", "minillm")}
 
     summary = {}
     if "grammars" in parts:
@@ -330,3 +331,5 @@ def add_arguments(parser, name: str) -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--structured-outputs-backend", choices=["minillm", "xgrammar"], default="minillm",
+                        help="whose matcher fills the engine's bitmask in the decode and validity parts")
