@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -25,6 +27,7 @@
 
 # %%
 import json
+import os
 import random
 import re
 import time
@@ -199,7 +202,7 @@ print(repr(m.forced_bytes()))
 # %%
 del model
 if nb.on_gpu():  # the embedded SmolLM2, the full set
-    res = structured.run(None, quick=False, repeats=3)
+    res = structured.run(None, quick=False, repeats=3, json_path=os.environ.get("MINILLM_BENCH_JSON"))
 else:  # a CPU only shows the code runs: a tiny random Llama over SmolLM2's real vocabulary, quick sizes
     tiny = ModelConfig(architecture="llama", vocab_size=len(tok.vocab), hidden_size=32, intermediate_size=64,
                        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=512,
