@@ -49,6 +49,13 @@ class EngineConfig:
     # Steps of requests that need the host's view of every token (logprobs, penalties, min_tokens) and
     # speculative decoding run without it.
     async_scheduling: bool | None = None
+    # multi-LoRA serving (chapter 16), vLLM's names: requests may carry a LoRARequest; max_loras adapters
+    # run in one step (GPU slots), of rank <= max_lora_rank; up to max_cpu_loras (None: max_loras)
+    # stay read and checked on the CPU, least recently used evicted first
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_batch"):
@@ -78,6 +85,16 @@ class EngineConfig:
             raise TypeError(f"enforce_eager must be True or False, not {self.enforce_eager!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise TypeError(f"async_scheduling must be True, False or None (auto), not {self.async_scheduling!r}")
+        if not isinstance(self.enable_lora, bool):
+            raise TypeError(f"enable_lora must be True or False, not {self.enable_lora!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            check_int(name, getattr(self, name))
+        check_int("max_cpu_loras", self.max_cpu_loras, optional=True)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): every "
+                             "adapter in a GPU slot has its CPU copy")
         kv_cache_torch_dtype(self.kv_cache_dtype)  # an unknown name fails here, before any model is touched
         if self.speculative_config is not None:
             self.speculative_config = spec = SpeculativeConfig.from_dict(self.speculative_config)
