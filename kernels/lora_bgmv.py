@@ -22,6 +22,7 @@ tokens run the same way (Punica's SGMV, which groups a segment's tokens into one
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -116,6 +117,6 @@ def add_lora_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Ten
         if slot < 0:
             continue
         rows = (slots == slot).nonzero().squeeze(1)  # [T_slot]
-        s = x.index_select(0, rows).float() @ a[slot].float().T  # [T_slot, R]
-        delta = s @ b[slot].float().T  # [T_slot, out]
+        s = F.linear(x.index_select(0, rows).float(), a[slot].float())  # [T_slot, R]
+        delta = F.linear(s, b[slot].float())  # [T_slot, out]
         y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
