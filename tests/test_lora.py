@@ -194,3 +194,19 @@ def test_engine_arguments_checked(setup):
     plain = LLM(base, device="cpu")
     with pytest.raises(ValueError, match="built without LoRA: build it with enable_lora=True"):
         plain.generate({"prompt_token_ids": [1, 2]}, GREEDY, use_tqdm=False, lora_request=setup["requests"]["all"])
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(async_scheduling=True),  # overlap scheduling: the next step's slots are prepared while one runs
+    dict(max_num_batched_tokens=16, num_gpu_blocks=8, preemption_mode="swap"),  # chunked prefill, preemption
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+                             "prompt_lookup_max": 2}),
+    dict(max_num_batched_tokens=16, num_gpu_blocks=8),  # preemption by recompute
+])
+def test_mixed_batch_on_every_engine_path(setup, engine_args):
+    prompts, oracle, reqs = setup["prompts"], setup["oracle"], setup["requests"]
+    llm = LLM(str(setup["base"]), device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8, **engine_args)
+    names = ["attn", None, "all", "mlp", "attn"]
+    assert run(llm, prompts, [reqs[n] for n in names]) == [oracle[n][i] for i, n in enumerate(names)]
+    if "num_gpu_blocks" in engine_args:
+        assert llm.engine.engine_stats.num_preemptions > 0
