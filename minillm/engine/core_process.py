@@ -112,6 +112,7 @@ class EngineView:
         self.block_manager = _Pool(engine.block_manager.num_blocks, engine.block_manager.block_size)
         self.sizes = SimpleNamespace(device=engine.sizes.device)
         self.groups: dict = {}  # request ids are the API process's to keep unique (AsyncLLMEngine does)
+        self.lora = None  # adapters are read and checked in the core's process (LLMEngine.add_checked)
 
 
 class _Pool:

@@ -177,10 +177,11 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if check_lora_request("lora_request", lora_request) is not None:
-            if self.lora is None:
+            if not self.config.enable_lora:
                 raise ValueError(f"request {request_id!r} has a lora_request, but the engine was built without "
                                  "LoRA: build it with enable_lora=True (and max_loras, max_lora_rank)")
-            self.lora.check(lora_request)
+            if self.lora is not None:  # None: a view of an engine in another process, which reads it itself
+                self.lora.check(lora_request)
         # A copy, checked again: the caller may have edited the params since they were built, and may
         # edit them again while the request runs; the engine's copy stays what was checked.
         params = copy.copy(params)  # verify() below puts new lists in place of stop and stop_token_ids

@@ -270,6 +270,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "minillm"
+    root: str | None = None  # vLLM's fields: an adapter's folder, and the base model it adapts
+    parent: str | None = None
     max_model_len: int | None = None
 
 

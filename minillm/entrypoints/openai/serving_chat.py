@@ -38,7 +38,7 @@ _RENAMES = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
         received = time.perf_counter()
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         params = self.sampling_params(request, _RENAMES)
         conversation = request.conversation()
         chars = sum(len(m["content"]) for m in conversation)
@@ -52,11 +52,11 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, str(e), param="messages") from None
         marks = {"received": received, "tokenized": time.perf_counter()}
         request_id, created = new_id("chatcmpl")
-        requests = self.check(request_id, [ids], params, "messages")
+        requests = self.check(request_id, [ids], params, "messages", lora)
         if request.stream:
-            return StreamingResponse(self._stream(request_id, created, requests, request.include_usage, marks),
+            return StreamingResponse(self._stream(request_id, created, requests, request.include_usage, marks, lora),
                                      media_type="text/event-stream")
-        choices, generated = gather(await self.collect(requests, raw_request, (request_id, marks)), requests,
+        choices, generated = gather(await self.collect(requests, raw_request, (request_id, marks), lora), requests,
                                     params.n)
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name, usage=usage([len(ids)], generated),
@@ -66,7 +66,7 @@ class OpenAIServingChat(OpenAIServing):
                 for i, c in enumerate(choices)])
 
     def _stream(self, request_id: str, created: int, requests, include_usage: bool,
-                marks: dict) -> AsyncIterator[str]:
+                marks: dict, lora=None) -> AsyncIterator[str]:
         [(_, ids, params)] = requests
         frame = ChunkFrame("chat.completion.chunk", request_id, created, self.model_name)
         # the role first, as OpenAI does
@@ -83,7 +83,7 @@ class OpenAIServingChat(OpenAIServing):
         def last(generated: int) -> str | None:
             return self._chunk(request_id, created, [], usage([len(ids)], generated)) if include_usage else None
 
-        return self.sse_stream(requests, chunk, last, first=roles, timing=(request_id, marks))
+        return self.sse_stream(requests, chunk, last, first=roles, timing=(request_id, marks), lora_request=lora)
 
     def _chunk(self, request_id: str, created: int, choices, usage_info=None) -> str:
         return ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,

@@ -79,7 +79,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request):
         received = time.perf_counter()
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         params = self.sampling_params(request)
         texts = request.prompts()
         # token ids are counted now; text after tokenizing (it has at least a token per 4 MiB / limit bytes)
@@ -91,13 +91,13 @@ class OpenAIServingCompletion(OpenAIServing):
         marks = {"received": received, "tokenized": time.perf_counter()}
         request_id, created = new_id("cmpl")
         if len(prompts) > INLINE_CHECK_PROMPTS:  # each prompt's check costs: not on the loop everyone shares
-            requests = await asyncio.to_thread(self.check, request_id, prompts, params, "prompt")
+            requests = await asyncio.to_thread(self.check, request_id, prompts, params, "prompt", lora)
         else:
-            requests = self.check(request_id, prompts, params, "prompt")
+            requests = self.check(request_id, prompts, params, "prompt", lora)
         if request.stream:
-            return StreamingResponse(self._stream(request_id, created, requests, request.include_usage, marks),
+            return StreamingResponse(self._stream(request_id, created, requests, request.include_usage, marks, lora),
                                      media_type="text/event-stream")
-        choices, generated = gather(await self.collect(requests, raw_request, (request_id, marks)), requests,
+        choices, generated = gather(await self.collect(requests, raw_request, (request_id, marks), lora), requests,
                                     params.n)
         return CompletionResponse(
             id=request_id, created=created, model=self.model_name,
@@ -161,7 +161,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return out
 
     def _stream(self, request_id: str, created: int, requests, include_usage: bool,
-                marks: dict) -> AsyncIterator[str]:
+                marks: dict, lora=None) -> AsyncIterator[str]:
         n = requests[0][2].n
         offsets = [0] * (len(requests) * n)  # text_offset of each choice's next token
         frame = ChunkFrame("text_completion", request_id, created, self.model_name)
@@ -179,7 +179,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_lens = [len(ids) for _, ids, _ in requests]
             return self._chunk(request_id, created, [], usage(prompt_lens, generated)) if include_usage else None
 
-        return self.sse_stream(requests, chunk, last, timing=(request_id, marks))
+        return self.sse_stream(requests, chunk, last, timing=(request_id, marks), lora_request=lora)
 
     def _chunk(self, request_id: str, created: int, choices, usage_info=None) -> str:
         return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,

@@ -1,0 +1,87 @@
+"""`minillm serve --enable-lora --lora-modules NAME=PATH ...` (chapter 16): the OpenAI `model` field
+picks an adapter, /v1/models lists them, and a served answer equals LLM.generate / LLM.chat with the
+same adapter in this process (whose tokens test_lora.py proves equal to PEFT's); an unknown model is a
+404 naming what is served; a bad adapter folder stops the server at start with exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+from lora_utils import make_adapter
+from serve_utils import free_port, serve
+
+from minillm import LLM, SamplingParams
+from minillm.lora.request import LoRARequest
+
+pytest.importorskip("peft")
+pytest.importorskip("fastapi")
+pytestmark = pytest.mark.slow  # a server process per module, and two more that fail to start
+
+ADAPTERS = {"upper": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+            "french": dict(r=8, lora_alpha=8, target_modules=["o_proj", "gate_proj", "up_proj"])}
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_chat_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-lora")
+    for seed, (name, fields) in enumerate(ADAPTERS.items()):
+        make_adapter(tiny_chat_model, root / name, seed + 5, **fields)
+    return {name: LoRARequest(name, i + 1, str(root / name)) for i, name in enumerate(ADAPTERS)}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model, adapters, tmp_path_factory):
+    modules = [f"{n}={r.lora_path}" for n, r in adapters.items()]
+    with serve(tiny_chat_model, "--served-model-name", "base", "--enable-lora", "--max-loras", "2",
+               "--max-lora-rank", "8", "--lora-modules", *modules, log_dir=tmp_path_factory.mktemp("logs")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_chat_model):
+    return LLM(str(tiny_chat_model), device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8)
+
+
+def test_models_lists_the_adapters(server, adapters):
+    cards = httpx.get(f"{server.v1}/models", timeout=30).json()["data"]
+    assert [c["id"] for c in cards] == ["base", "upper", "french"]
+    assert cards[1]["parent"] == "base" and cards[1]["root"] == adapters["upper"].lora_path
+    assert httpx.get(f"{server.v1}/models/french", timeout=30).json()["id"] == "french"
+
+
+def test_model_field_selects_the_adapter(server, adapters, oracle):
+    prompt = [5, 17, 99, 3, 250, 41, 7, 12, 64]
+    texts = {}
+    for model in ("base", "upper", "french"):
+        r = httpx.post(f"{server.v1}/completions", json={"model": model, "prompt": prompt, "max_tokens": 8,
+                                                         "temperature": 0, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        want = oracle.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                               use_tqdm=False, lora_request=adapters.get(model))[0].outputs[0].text
+        texts[model] = r.json()["choices"][0]["text"]
+        assert texts[model] == want, model
+    assert len(set(texts.values())) == 3  # each adapter answers differently
+    messages = [{"role": "user", "content": "hello there"}]
+    r = httpx.post(f"{server.v1}/chat/completions", json={"model": "french", "messages": messages, "max_tokens": 6,
+                                                          "temperature": 0}, timeout=60)
+    want = oracle.chat(messages, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False,
+                       lora_request=adapters["french"])[0].outputs[0].text
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want
+
+
+def test_unknown_model_is_404_naming_the_served(server):
+    r = httpx.post(f"{server.v1}/completions", json={"model": "german", "prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 404
+    assert "`base`, `upper`, `french`" in r.json()["error"]["message"] and r.json()["error"]["param"] == "model"
+
+
+def test_bad_adapter_stops_the_start(tiny_chat_model, tmp_path):
+    cmd = [sys.executable, "-m", "minillm", "serve", "--model", str(tiny_chat_model), "--device", "cpu",
+           "--port", str(free_port()), "--enable-lora", "--lora-modules", f"x={tmp_path / 'missing'}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 2 and "LoRA adapter 'x': lora_path" in out.stderr and "is not a folder" in out.stderr
+    out = subprocess.run([*cmd[:-3], "--lora-modules", "x=/a"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 2 and "--lora-modules needs --enable-lora" in out.stderr
