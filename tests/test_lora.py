@@ -210,3 +210,22 @@ def test_mixed_batch_on_every_engine_path(setup, engine_args):
     assert run(llm, prompts, [reqs[n] for n in names]) == [oracle[n][i] for i, n in enumerate(names)]
     if "num_gpu_blocks" in engine_args:
         assert llm.engine.engine_stats.num_preemptions > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels, CUDA graphs)")
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_mixed_batch_on_gpu_with_and_without_cuda_graphs(setup, enforce_eager):
+    """The Triton shrink/expand kernels inside captured graphs (decode sizes and token buckets), fp32
+    (bf16 would let batch shapes pick other GEMMs, flipping near-ties): PEFT's tokens, each request's."""
+    prompts, oracle, reqs = setup["prompts"], setup["oracle"], setup["requests"]
+    llm = LLM(str(setup["base"]), device="cuda", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+              enforce_eager=enforce_eager, cuda_graph_max_batch=8, max_num_batched_tokens=64)
+    llm.engine.warm_up()
+    graphs = llm.engine.runner.graphs
+    if graphs is not None:
+        graphs.replays.clear()
+    names = ["attn", None, "all", "mlp", "attn", "all", None, "mlp"]
+    batch = [prompts[i % len(prompts)] for i in range(len(names))]
+    assert run(llm, batch, [reqs[n] for n in names]) == [oracle[n][i % len(prompts)] for i, n in enumerate(names)]
+    if graphs is not None:  # both kinds replayed: decode batches and steps with prompt tokens
+        assert {s.max_seqlen == 1 for s in graphs.replays} == {True, False}
