@@ -249,19 +249,23 @@ class LLM:
             out.prompt = text
         return outputs
 
-    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(self, prompt, sampling_params: SamplingParams | None = None,
+               lora_request: LoRARequest | None = None) -> Iterator[str]:
         """Text of one completion as it is generated (n must be 1): what `minillm generate` prints."""
         [(_, ids, params)] = self._prepare([prompt], sampling_params)
+        [lora] = self._lora_requests(lora_request, 1)
         if params.n != 1:
             raise ValueError(f"stream() makes one completion; n must be 1, not {params.n}")
         if not self._enable_kv_cache:
+            if lora is not None:
+                raise ValueError("lora_request needs the engine (enable_kv_cache=True, enable_lora=True)")
             for (seq,) in generate_sequences(self.model, self.tokenizer, ids, params, self.eos_token_ids,
                                               self.sampler, use_kv_cache=False):
                 if delta := seq.stream_delta():
                     yield delta
             return
         rid = str(next(self._ids))
-        self.engine.add_request(rid, {"prompt_token_ids": ids}, params)
+        self.engine.add_request(rid, {"prompt_token_ids": ids}, params, lora_request=lora)
         seq = self.engine.groups[rid].seqs[0]
         try:
             while not seq.finished:

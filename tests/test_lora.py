@@ -66,6 +66,8 @@ def test_each_adapter_alone_equals_peft(setup, llm):
     for name, req in setup["requests"].items():
         for i, p in enumerate(prompts):
             assert run(llm, [p], req) == [oracle[name][i]], (name, i)
+    text = "".join(llm.stream({"prompt_token_ids": prompts[1]}, GREEDY, lora_request=setup["requests"]["mlp"]))
+    assert text == llm.tokenizer.decode(oracle["mlp"][1])
     for name in ADAPTERS:  # the adapters do change the answers (else the test could not fail)
         assert oracle[name] != oracle[None], name
 
