@@ -64,6 +64,7 @@ def test_model_field_selects_the_adapter(server, adapters, oracle):
         texts[model] = r.json()["choices"][0]["text"]
         assert texts[model] == want, model
     assert len(set(texts.values())) == 3  # each adapter answers differently
+    assert server.metrics()["minillm_lora_slot_loads_total"] >= 2  # both adapters went into a GPU slot
     messages = [{"role": "user", "content": "hello there"}]
     r = httpx.post(f"{server.v1}/chat/completions", json={"model": "french", "messages": messages, "max_tokens": 6,
                                                           "temperature": 0}, timeout=60)

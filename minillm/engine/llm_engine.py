@@ -152,7 +152,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         if config.enable_lora:
             self.lora = LoRAManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
                                     in_use=lambda: {g.lora_request.lora_int_id for g in self.groups.values()
-                                                    if g.lora_request is not None})
+                                                    if g.lora_request is not None}, stats=self.engine_stats)
         self._group_of: dict[int, SequenceGroup] = {}
         self._seq_ids, self._arrivals = itertools.count(1), itertools.count()
         # False: the outputs step() returns carry text None (Sequence.to_output). The server's engine core

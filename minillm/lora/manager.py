@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
 
 from .adapter import LoRAModel, load_adapter, lora_targets
 from .request import LoRARequest
@@ -26,14 +28,23 @@ from .request import LoRARequest
 
 class LoRAManager:
     def __init__(self, model, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
-                 in_use: Callable[[], set[int]] = set):
+                 in_use: Callable[[], set[int]] = set, stats: Any = None):
         self.targets = lora_targets(model)
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.in_use = in_use  # -> the lora_int_ids unfinished requests use (the engine's view)
         self.requests: dict[int, LoRARequest] = {}  # every id seen: one id names one adapter
         self.cpu: OrderedDict[int, LoRAModel] = OrderedDict()  # least recently used first
         self.slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> GPU slot, LRU first
-        self.num_disk_loads = self.num_slot_loads = 0  # adapters read from disk; copied into a GPU slot
+        # the engine's EngineStats (its counters reach /metrics), or counters of its own
+        self.stats = stats or SimpleNamespace(num_lora_slot_loads=0, num_lora_disk_loads=0)
+
+    @property
+    def num_slot_loads(self) -> int:
+        return self.stats.num_lora_slot_loads
+
+    @property
+    def num_disk_loads(self) -> int:
+        return self.stats.num_lora_disk_loads
 
     def check(self, request: LoRARequest) -> LoRAModel:
         """The adapter of a new request, read and checked now (a bad folder fails the request here,
@@ -53,7 +64,7 @@ class LoRAManager:
             self.cpu.move_to_end(request.lora_int_id)
             return lora
         lora = load_adapter(request, self.targets, self.max_lora_rank)
-        self.num_disk_loads += 1
+        self.stats.num_lora_disk_loads += 1
         self.cpu[request.lora_int_id] = lora
         if len(self.cpu) > self.max_cpu_loras:
             busy = self.in_use() | {request.lora_int_id}
@@ -83,6 +94,6 @@ class LoRAManager:
                 slot = self.slots.pop(victim)
             self.slots[i] = slot
             loads.append((slot, self._get(self.requests[i])))
-            self.num_slot_loads += 1
+            self.stats.num_lora_slot_loads += 1
         slots = self.slots
         return [slots[i] if i else -1 for i in lora_ids], loads

@@ -93,5 +93,9 @@ class _EngineCollector:
                                   value=stats.get("num_preemptions", 0))
         yield CounterMetricFamily("minillm_engine_steps", "Engine steps that ran the model",
                                   value=stats.get("num_steps", 0))
+        yield CounterMetricFamily("minillm_lora_slot_loads", "LoRA adapters copied into a GPU slot (swap-ins)",
+                                  value=stats.get("num_lora_slot_loads", 0))
+        yield CounterMetricFamily("minillm_lora_disk_loads", "LoRA adapters read from disk into the CPU pool",
+                                  value=stats.get("num_lora_disk_loads", 0))
         yield GaugeMetricFamily("minillm_ready", "1 when the engine serves requests (GET /health is 200)",
                                 value=1.0 if self.engine.ready else 0.0)
