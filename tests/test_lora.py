@@ -231,3 +231,21 @@ def test_mixed_batch_on_gpu_with_and_without_cuda_graphs(setup, enforce_eager):
     assert run(llm, batch, [reqs[n] for n in names]) == [oracle[n][i % len(prompts)] for i, n in enumerate(names)]
     if graphs is not None:  # both kinds replayed: decode batches and steps with prompt tokens
         assert {s.max_seqlen == 1 for s in graphs.replays} == {True, False}
+
+
+def test_a_passed_over_adapter_is_not_starved(setup):
+    """One slot: while adapter "all" runs, a request for "attn" waits; a later "all" request must not
+    overtake it (that could go on forever); a request with no adapter may."""
+    prompts, reqs = setup["prompts"], setup["requests"]
+    llm = LLM(str(setup["base"]), device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8)
+    engine = llm.engine
+    long = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for rid, name in (("a1", "all"), ("x", "attn"), ("a2", "all"), ("base", None)):
+        engine.add_request(rid, {"prompt_token_ids": prompts[1]}, long, lora_request=reqs[name])
+    started = {}
+    while engine.has_unfinished_requests():
+        engine.step()
+        for rid, group in list(engine.groups.items()):
+            if group.metrics.first_scheduled_time is not None:
+                started.setdefault(rid, len(started))
+    assert started["a1"] == 0 and started["base"] == 1 and started["x"] < started["a2"]

@@ -20,8 +20,10 @@ slots with its own (1 + k tokens), or runs it without drafts when the pool canno
 
 Multi-LoRA (chapter 16, EngineConfig.enable_lora): the running sequences never use more than
 max_loras distinct adapters (the GPU slots). A swapped or waiting sequence whose adapter is not among
-them joins only while a slot is left; otherwise it waits, and the waiting sequences behind it
-(at most max_num_seqs of them looked at) may go first.
+them joins only while a slot is left; otherwise it waits, and the waiting sequences behind it that
+need no adapter (at most max_num_seqs looked at) may go first. Those with an adapter wait too, even
+one that runs: else a busy adapter's stream of new requests would keep its slot, and the passed-over
+request its wait, forever.
 
 Order is (priority, arrival): lower priority values go first, then first come, first served.
 Finished sequences leave at once (`finish`), so their blocks serve someone else the next step.
@@ -205,7 +207,7 @@ class Scheduler:
         adapters, passed = self._adapters(), []  # passed: waiting sequences whose adapter has no slot now
         while self.waiting and budget > 0 and self._seats(self.waiting.peek()) <= seats:
             seq = self.waiting.peek()
-            if adapters is not None and not self._adapter_fits(seq, set(adapters)):
+            if adapters is not None and seq.lora_int_id and (passed or not self._adapter_fits(seq, set(adapters))):
                 if len(passed) >= self.config.max_num_seqs:
                     break
                 passed.append(self.waiting.popleft())  # back in its place below: its key is unchanged
