@@ -9,6 +9,12 @@ adapter is zero-padded), and one slot index per token:
     shrink   s[t] = x[t] . A[slot[t]]^T       [T, in] -> [T, R]   fp32
     expand   y[t] += s[t] . B[slot[t]]^T      [T, R]  -> [T, out] added into y (or a slice of it)
 
+A fused layer (qkv_proj: q, k and v; gate_up_proj: gate and up) has one adapter per part, all reading
+the same x: their A's are stacked, [L, S * R, in], so one shrink serves every part, and their B's are
+stacked along the output, [L, out, R], with the parts' first columns in `slice_offsets`: one expand
+writes every part, column n reading the rank-R chunk of its own part (vLLM's multi-slice kernels).
+Two launches a layer, whatever the number of parts.
+
 A token whose slot is -1 (no adapter: the base model, or a CUDA graph's padding row) is left as it
 was: its shrink loop runs zero times and its expand loads and stores nothing. The slot indices are
 read from a device tensor inside the kernels, so a CUDA graph captured once serves any mix of
@@ -47,7 +53,7 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, K, R, stride_x, stride_al, 
 
 
 @triton.jit
-def _expand_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, N, R, stride_bl, stride_bn, stride_y,
+def _expand_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, N, R, stride_s, stride_bl, stride_bn, stride_y, off1, off2,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
@@ -55,10 +61,14 @@ def _expand_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, N, R, stride_bl, stride_bn, s
     r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
     # no adapter (slot -1): limits of 0 mask every load and store off
     r_end, n_end = tl.where(slot >= 0, R, 0), tl.where(slot >= 0, N, 0)
-    s = tl.load(s_ptr + t * R + r, mask=r < r_end, other=0.0)  # [BLOCK_R] fp32
+    # each column's part (0, 1, 2: off1 and off2 start parts 1 and 2; N when there is none), and so
+    # which rank-R chunk of this token's shrink output it reads
+    part = (n >= off1).to(tl.int64) + (n >= off2).to(tl.int64)  # [BLOCK_N]
+    s = tl.load(s_ptr + t * stride_s + part[:, None] * R + r[None, :],
+                mask=(n[:, None] < n_end) & (r[None, :] < r_end), other=0.0)  # [BLOCK_N, BLOCK_R] fp32
     b = tl.load(b_ptr + tl.maximum(slot, 0) * stride_bl + n[:, None] * stride_bn + r[None, :],
                 mask=(n[:, None] < n_end) & (r[None, :] < r_end), other=0.0)  # [BLOCK_N, BLOCK_R]
-    delta = tl.sum(b.to(tl.float32) * s[None, :], axis=1)  # [BLOCK_N]
+    delta = tl.sum(b.to(tl.float32) * s, axis=1)  # [BLOCK_N]
     y_at = y_ptr + t * stride_y + n
     y = tl.load(y_at, mask=n < n_end, other=0.0)
     # add in fp32 and round once to y's dtype
@@ -90,33 +100,53 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.
     return out
 
 
-def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:
-    """y [T, out] += s [T, R] . B[slots]^T with B [L, out, R], in place (y may be a column slice of a
-    wider output: qkv_proj's q part, say); rows with slot -1 are untouched."""
+def _parts(slice_offsets, N: int) -> list[int]:
+    offsets = list(slice_offsets)
+    if not 1 <= len(offsets) <= 3 or offsets[0] != 0 or offsets != sorted(offsets) or offsets[-1] >= max(N, 1):
+        raise ValueError(f"slice_offsets must be 1 to 3 increasing first columns starting at 0, inside the "
+                         f"{N} outputs; got {offsets}")
+    return offsets
+
+
+def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                slice_offsets=(0,)) -> None:
+    """y [T, out] += s . B[slots]^T per part, in place: B [L, out, R] holds the parts' B's stacked along
+    the output, part i from column slice_offsets[i] on, and it reads s [T, S * R]'s chunk i. y may be
+    a column slice of a wider output. Rows with slot -1 are untouched."""
     _check(y, b, slots, "lora_expand")
     T, N = y.shape
     _, N2, R = b.shape
-    if N2 != N or s.shape != (T, R) or not s.is_contiguous():
-        raise ValueError(f"lora_expand: y [T, {N}], s [T, R] and B [L, {N2}, {R}] do not match "
-                         f"(s is {tuple(s.shape)}, contiguous: {s.is_contiguous()})")
+    offsets = _parts(slice_offsets, N)
+    if N2 != N or s.shape != (T, len(offsets) * R) or s.stride(1) != 1:
+        raise ValueError(f"lora_expand: y [T, {N}], s [T, parts * R] and B [L, {N2}, {R}] do not match "
+                         f"(s is {tuple(s.shape)}, {len(offsets)} parts)")
+    off1, off2 = (offsets[1:] + [N, N])[:2]
     if T:
         BLOCK_N = min(128, triton.next_power_of_2(N))
-        _expand_kernel[(T, triton.cdiv(N, BLOCK_N))](s, b, slots, y, N, R, b.stride(0), b.stride(1), y.stride(0),
+        _expand_kernel[(T, triton.cdiv(N, BLOCK_N))](s, b, slots, y, N, R, s.stride(0), b.stride(0), b.stride(1),
+                                                      y.stride(0), off1, off2,
                                                       BLOCK_R=triton.next_power_of_2(R), BLOCK_N=BLOCK_N)
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:
-    """y [T, out] += (x [T, in] . A[slot]^T) . B[slot]^T per token, in place; slot -1: untouched."""
-    lora_expand(y, lora_shrink(x, a, slots), b, slots)
+def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+             slice_offsets=(0,)) -> None:
+    """y [T, out] += (x [T, in] . A[slot]^T) . B[slot]^T per token and part, in place (A [L, S * R, in],
+    B [L, out, R], S = len(slice_offsets)); slot -1: untouched. Two launches."""
+    lora_expand(y, lora_shrink(x, a, slots), b, slots, slice_offsets)
 
 
-def add_lora_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:
-    """The plain-PyTorch reference of add_lora: the tokens of each adapter in the batch as one GEMM pair
-    (the host reads which slots occur: not for CUDA graphs). fp32 accumulation, one rounding into y."""
+def add_lora_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                 slice_offsets=(0,)) -> None:
+    """The plain-PyTorch reference of add_lora: the tokens of each adapter in the batch as one GEMM per
+    part (the host reads which slots occur: not for CUDA graphs). fp32 accumulation, one rounding."""
+    N, R = y.shape[1], b.shape[2]
+    offsets = _parts(slice_offsets, N)
+    ends = offsets[1:] + [N]
     for slot in torch.unique(slots).tolist():
         if slot < 0:
             continue
         rows = (slots == slot).nonzero().squeeze(1)  # [T_slot]
-        s = F.linear(x.index_select(0, rows).float(), a[slot].float())  # [T_slot, R]
-        delta = F.linear(s, b[slot].float())  # [T_slot, out]
+        s = F.linear(x.index_select(0, rows).float(), a[slot].float())  # [T_slot, S * R]
+        delta = torch.cat([F.linear(s[:, i * R:(i + 1) * R], b[slot, lo:hi].float())  # [T_slot, part i]
+                           for i, (lo, hi) in enumerate(zip(offsets, ends))], dim=1)  # [T_slot, out]
         y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))

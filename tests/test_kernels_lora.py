@@ -100,3 +100,31 @@ def test_add_lora_gpu_real_shapes(dtype):
     add_lora(got[:, 2:2 + N], x, a, b, slots)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     assert torch.equal(got[slots < 0], y[slots < 0])
+
+
+def per_token_parts(y, x, a, b, slots, offsets):
+    """The oracle for stacked parts: part i reads A rows i*R.., writes B's rows of its columns."""
+    out, R, N = y.clone(), b.shape[2], y.shape[1]
+    ends = [*offsets[1:], N]
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            for i, (lo, hi) in enumerate(zip(offsets, ends)):
+                d = (x[t].double() @ a[s, i * R:(i + 1) * R].double().T) @ b[s, lo:hi].double().T
+                out[t, lo:hi] = (y[t, lo:hi].double() + d).to(y.dtype)
+    return out
+
+
+@needs_triton
+@pytest.mark.parametrize("offsets", [(0, 40, 56), (0, 37), (0, 5, 70)])  # q|k|v, gate|up, odd cuts
+def test_stacked_parts_in_two_launches(offsets):
+    T, K, N, L, R = 9, 48, 88, 3, 4
+    x, _, b, slots, y = make_case(sum(offsets), T, K, N, L, R)
+    g = torch.Generator().manual_seed(len(offsets))
+    a = torch.randn(L, len(offsets) * R, K, generator=g).to(DEVICE) / K**0.5  # [L, S * R, K]
+    want = per_token_parts(y[:, :N], x, a, b, slots, list(offsets))
+    for add in (add_lora, add_lora_ref):
+        got = y[:, :N].clone()
+        add(got, x, a, b, slots, offsets)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="slice_offsets must be"):
+        add_lora(y[:, :N].clone(), x, a, b, slots, (0, 100))

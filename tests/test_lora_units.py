@@ -104,8 +104,8 @@ def test_lora_layer_triton_equals_torch_path(model):
     g = torch.Generator().manual_seed(1)
     for slot in range(3):
         r = 8 - 2 * slot  # ranks below the max are zero-padded
-        lora = LoRAModel(slot + 1, "x", r, 1.0, {name: {i: (torch.randn(r, layer.lora_a[i].shape[2], generator=g),
-                                                           torch.randn(layer.lora_b[i].shape[1], r, generator=g))
+        lora = LoRAModel(slot + 1, "x", r, 1.0, {name: {i: (torch.randn(r, layer.lora_a.shape[2], generator=g),
+                                                           torch.randn(layer.slices[i][1], r, generator=g))
                                                        for i in range(len(layer.slices)) if (i + slot) % 3}
                                                  for name, layer in layers.items()})
         set_adapter(layers, slot, lora)

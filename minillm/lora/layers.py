@@ -2,17 +2,18 @@
 vLLM's names: ColumnParallelLinearWithLoRA, MergedColumnParallelLinearWithLoRA,
 QKVParallelLinearWithLoRA, RowParallelLinearWithLoRA).
 
-A wrapped layer keeps the base layer (its weights, its quant_method) and adds, per stacked output
-part (q, k, v of qkv_proj; gate, up of gate_up_proj; the whole output otherwise), a stack of
-max_loras adapter slots:
+A wrapped layer keeps the base layer (its weights, its quant_method) and adds max_loras adapter
+slots, for each of its S stacked output parts (q, k, v of qkv_proj; gate, up of gate_up_proj; the
+whole output otherwise; R = max_lora_rank, a smaller adapter zero-padded):
 
-    lora_a[i]  [max_loras, max_lora_rank, in]        A of part i, zero-padded to max_lora_rank
-    lora_b[i]  [max_loras, out_i, max_lora_rank]     B of part i, the scaling folded in
+    lora_a  [max_loras, S * R, in]     rows i*R .. (i+1)*R: A of part i (the parts share x)
+    lora_b  [max_loras, out, R]        rows of part i: its B, the scaling folded in
 
 and its forward pass is
 
-    y = base(x)                                       [T, out]
-    y[:, part i] += (x . lora_a[i][slot]^T) . lora_b[i][slot]^T    per token (kernels/lora_bgmv.py)
+    y = base(x)                                                    [T, out]
+    y[:, part i] += (x . A_i[slot]^T) . B_i[slot]^T   per token, every part in one shrink and one
+                                                      expand launch (kernels/lora_bgmv.py)
 
 with slot = the forward context's `lora_mapping` [T] (-1: no adapter). Without a context, or with
 no mapping (a step where nobody has an adapter, a notebook running the model alone) the layer is
@@ -46,22 +47,23 @@ class BaseLinearLayerWithLoRA(nn.Module):
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         sizes = base_layer.output_partition_sizes  # [out_i] per stacked part
         self.slices = [(sum(sizes[:i]), n) for i, n in enumerate(sizes)]  # (offset, size) in y
-        k = base_layer.input_size_per_partition
+        self.slice_offsets = tuple(offset for offset, _ in self.slices)
+        k, R = base_layer.input_size_per_partition, max_lora_rank
         device = next(base_layer.parameters()).device
-        self.lora_a = [torch.zeros(max_loras, max_lora_rank, k, dtype=dtype, device=device) for _ in sizes]
-        self.lora_b = [torch.zeros(max_loras, n, max_lora_rank, dtype=dtype, device=device) for n in sizes]
+        self.lora_a = torch.zeros(max_loras, len(sizes) * R, k, dtype=dtype, device=device)  # [L, S * R, in]
+        self.lora_b = torch.zeros(max_loras, sum(sizes), R, dtype=dtype, device=device)  # [L, out, R]
 
     def set_lora(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write an adapter's (A [r, in], B [out_i, r]) per part into a slot; parts it does not
-        target, and the ranks past r, are zero (they add nothing)."""
-        for i in range(len(self.slices)):
-            self.lora_a[i][slot].zero_()
-            self.lora_b[i][slot].zero_()
-            if i in parts:
-                a, b = parts[i]
-                r = a.shape[0]
-                self.lora_a[i][slot, :r].copy_(a)  # [r, in]
-                self.lora_b[i][slot, :, :r].copy_(b)  # [out_i, r]
+        """Write an adapter's (A [r, in], B [out_i, r]) per part into a slot, in place; parts it does
+        not target, and the ranks past r, are zero (they add nothing)."""
+        R = self.max_lora_rank
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        for i, (a, b) in parts.items():
+            offset, n = self.slices[i]
+            r = a.shape[0]
+            self.lora_a[slot, i * R : i * R + r].copy_(a)  # [r, in]
+            self.lora_b[slot, offset : offset + n, :r].copy_(b)  # [out_i, r]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)  # [T, out]
@@ -73,8 +75,7 @@ class BaseLinearLayerWithLoRA(nn.Module):
         if slots.shape[0] != x2.shape[0]:
             raise ValueError(f"lora_mapping has {slots.shape[0]} slots for {x2.shape[0]} tokens")
         add = add_lora if use_triton(x2) else add_lora_ref
-        for i, (offset, n) in enumerate(self.slices):
-            add(y2[:, offset : offset + n], x2, self.lora_a[i], self.lora_b[i], slots)  # into part i of y
+        add(y2, x2, self.lora_a, self.lora_b, slots, self.slice_offsets)  # every part of y, two launches
         return y
 
     def extra_repr(self) -> str:
