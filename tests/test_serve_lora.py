@@ -86,3 +86,45 @@ def test_bad_adapter_stops_the_start(tiny_chat_model, tmp_path):
     assert out.returncode == 2 and "LoRA adapter 'x': lora_path" in out.stderr and "is not a folder" in out.stderr
     out = subprocess.run([*cmd[:-3], "--lora-modules", "x=/a"], capture_output=True, text=True, timeout=180)
     assert out.returncode == 2 and "--lora-modules needs --enable-lora" in out.stderr
+
+
+def test_runtime_load_and_unload_inside_the_root(tiny_chat_model, adapters, oracle, tmp_path_factory):
+    import json
+    import os
+
+    root = os.path.dirname(adapters["upper"].lora_path)
+    outside = tmp_path_factory.mktemp("outside")
+    os.symlink(outside, os.path.join(root, "escape"))
+    bad = os.path.join(root, "rank32")
+    os.makedirs(bad, exist_ok=True)
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        src = os.path.join(adapters["upper"].lora_path, f)
+        data = open(src, "rb").read()
+        if f.endswith(".json"):
+            data = json.dumps({**json.loads(data), "r": 32}).encode()
+        open(os.path.join(bad, f), "wb").write(data)
+    prompt = [5, 17, 99, 3, 250, 41, 7, 12, 64]
+    with serve(tiny_chat_model, "--served-model-name", "base", "--enable-lora", "--max-lora-rank", "8",
+               "--lora-root", root, log_dir=tmp_path_factory.mktemp("logs")) as s:
+        def post(path, body):
+            return httpx.post(f"{s.v1}/{path}", json=body, timeout=60)
+
+        for path, code, match in (("../x", 400, "outside the folder"), ("escape", 400, "outside the folder"),
+                                  ("rank32", 400, "rank r=32 is above max_lora_rank=8"), ("missing", 400, "not a folder")):
+            r = post("load_lora_adapter", {"lora_name": "u", "lora_path": path})
+            assert r.status_code == code and match in r.json()["error"]["message"], (path, r.text)
+        assert post("load_lora_adapter", {"lora_name": "u", "lora_path": "upper"}).status_code == 200
+        assert post("load_lora_adapter", {"lora_name": "u", "lora_path": "upper"}).status_code == 400  # taken
+        assert [c["id"] for c in httpx.get(f"{s.v1}/models", timeout=30).json()["data"]] == ["base", "u"]
+        r = post("completions", {"model": "u", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        want = oracle.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                               use_tqdm=False, lora_request=adapters["upper"])[0].outputs[0].text
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+        assert post("unload_lora_adapter", {"lora_name": "u"}).status_code == 200
+        assert post("unload_lora_adapter", {"lora_name": "u"}).status_code == 404
+        assert post("completions", {"model": "u", "prompt": prompt, "max_tokens": 2}).status_code == 404
+
+
+def test_runtime_updates_are_off_without_a_root(server):
+    r = httpx.post(f"{server.v1}/load_lora_adapter", json={"lora_name": "u", "lora_path": "/"}, timeout=30)
+    assert r.status_code == 404

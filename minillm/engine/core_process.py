@@ -113,6 +113,8 @@ class EngineView:
         self.sizes = SimpleNamespace(device=engine.sizes.device)
         self.groups: dict = {}  # request ids are the API process's to keep unique (AsyncLLMEngine does)
         self.lora = None  # adapters are read and checked in the core's process (LLMEngine.add_checked)
+        # what an adapter must fit (chapter 16): the API side checks one loaded at run time against it
+        self.lora_targets = engine.lora.targets if engine.lora is not None else None
 
 
 class _Pool:

@@ -9,6 +9,7 @@
     GET  /metrics               Prometheus text (metrics.py)
     GET  /debug/timing/{id}     where one recent request's time went (serving_engine.record; notebook 12)
     GET  /v1/models             the model served, and its LoRA adapters (--lora-modules; chapter 16)
+    POST /v1/load_lora_adapter  serving_lora.py: with --lora-root only (and /v1/unload_lora_adapter)
     POST /v1/completions        serving_completion.py
     POST /v1/chat/completions   serving_chat.py
 
@@ -54,10 +55,19 @@ from ...engine.async_llm_engine import AsyncLLMEngine, EngineNotReady
 from .cli_args import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_PROMPTS, DEFAULT_MAX_SEQS
 from .http_limits import http_protocol
 from .metrics import ServerMetrics
-from .protocol import BadField, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .protocol import (
+    BadField,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    ModelCard,
+    ModelList,
+    UnloadLoRAAdapterRequest,
+)
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 from .serving_engine import KEEP_TIMINGS, APIError
+from .serving_lora import OpenAIServingLoRA
 
 logger = logging.getLogger("minillm.serve")
 
@@ -70,7 +80,7 @@ PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; style-src 'self'
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
               max_request_bytes: int = 4 * 2**20, max_prompts: int = DEFAULT_MAX_PROMPTS,
               max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS, max_seqs: int = DEFAULT_MAX_SEQS,
-              lora_requests=()) -> FastAPI:
+              lora_requests=(), lora_root: str | None = None) -> FastAPI:
     metrics = ServerMetrics(engine)
     engine.on_finished = metrics.request_finished
 
@@ -129,6 +139,17 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     async def get_model(model_id: str) -> ModelCard:
         completions.check_model(model_id)
         return card(model_id if model_id in loras else model_name)
+
+    if lora_root is not None:  # runtime adapter updates: only when the operator names their folder
+        lora = OpenAIServingLoRA(engine, model_name, loras, lora_root)
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest):
+            return await lora.load(request.lora_name, request.lora_path)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest):
+            return lora.unload(request.lora_name)
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request):
@@ -328,7 +349,7 @@ def run_server(args) -> int:
     make = partial(build_llm_engine, llm_args, getattr(args, "quantization", None), tuple(loras))
     engine = AsyncLLMEngine(make, warm_up=False if args.no_warm_up else "auto", engine_core=args.engine_core)
     app = build_app(engine, model_name, api_key, args.max_request_bytes, args.max_prompts_per_request,
-                    args.max_prompt_tokens_per_request, args.max_seqs_per_request, loras)
+                    args.max_prompt_tokens_per_request, args.max_seqs_per_request, loras, getattr(args, "lora_root", None))
     loop, http = fast_loop_and_parser()
     protocol, http_kwargs = http_protocol(http, args.max_header_bytes)  # headers bounded before the key is checked
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop=loop, http=protocol,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 128k-token prompt is about 0.5 MB of text
 # the limits of one completions request (serving_completion.py, where they are enforced)
@@ -114,8 +115,11 @@ def lora_requests(args: argparse.Namespace) -> list:
     from ...lora.request import LoRARequest
 
     modules = getattr(args, "lora_modules", None) or []
-    if modules and not args.enable_lora:
-        raise ValueError("--lora-modules needs --enable-lora")
+    if (modules or getattr(args, "lora_root", None)) and not args.enable_lora:
+        raise ValueError("--lora-modules and --lora-root need --enable-lora")
+    root = getattr(args, "lora_root", None)
+    if root is not None and not os.path.isdir(root):
+        raise ValueError(f"--lora-root {root!r} is not a folder")
     names = [n for n, _ in modules]
     if dup := sorted({n for n in names if names.count(n) > 1}):
         raise ValueError(f"--lora-modules names must be unique; {', '.join(dup)} given twice")
@@ -167,6 +171,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model (chapter 16)")
     p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
                    help="adapters to serve (PEFT folders); a request's `model` field picks one by NAME")
+    p.add_argument("--lora-root", default=None, metavar="DIR",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter at run time, for adapter "
+                   "folders inside DIR only (off without it)")
     g = p.add_argument_group("engine")
     for flag, field, kind, text in ENGINE_FLAGS:
         g.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS, help=text)

@@ -25,7 +25,8 @@ from ...outputs import RequestOutput
 
 disable_created_metrics()  # no *_created series: a scrape reads as vLLM's does
 
-PATHS = frozenset({"/", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+PATHS = frozenset({"/", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+                   "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)

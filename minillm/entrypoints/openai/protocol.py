@@ -275,6 +275,19 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body); lora_path is relative to --lora-root (or inside it)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    lora_name: str
+
+
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]

@@ -78,7 +78,8 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, model_name: str, timings: OrderedDict | None = None,
                  lora_modules: dict | None = None):
         self.engine, self.model_name = engine, model_name
-        self.lora_modules = lora_modules or {}  # `model` name -> LoRARequest (chapter 16)
+        # `model` name -> LoRARequest (chapter 16); shared by the endpoints, so a runtime load shows in all
+        self.lora_modules = {} if lora_modules is None else lora_modules
         self.timings = OrderedDict() if timings is None else timings  # response id -> record()'s dict
 
     def record(self, request_id: str, marks: dict[str, float], final: RequestOutput | None) -> None:
