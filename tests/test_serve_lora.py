@@ -5,6 +5,7 @@ same adapter in this process (whose tokens test_lora.py proves equal to PEFT's);
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -62,6 +63,7 @@ def test_model_field_selects_the_adapter(server, adapters, oracle):
         want = oracle.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
                                use_tqdm=False, lora_request=adapters.get(model))[0].outputs[0].text
         texts[model] = r.json()["choices"][0]["text"]
+        assert r.json()["model"] == model  # the answer names the adapter that made it
         assert texts[model] == want, model
     assert len(set(texts.values())) == 3  # each adapter answers differently
     assert server.metrics()["minillm_lora_slot_loads_total"] >= 2  # both adapters went into a GPU slot
@@ -71,6 +73,11 @@ def test_model_field_selects_the_adapter(server, adapters, oracle):
     want = oracle.chat(messages, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False,
                        lora_request=adapters["french"])[0].outputs[0].text
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want
+    with httpx.stream("POST", f"{server.v1}/chat/completions", timeout=60, json={
+            "model": "french", "messages": messages, "max_tokens": 6, "temperature": 0, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == want
+    assert {c["model"] for c in chunks} == {"french"}
 
 
 def test_unknown_model_is_404_naming_the_served(server):
@@ -85,7 +92,7 @@ def test_bad_adapter_stops_the_start(tiny_chat_model, tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert out.returncode == 2 and "LoRA adapter 'x': lora_path" in out.stderr and "is not a folder" in out.stderr
     out = subprocess.run([*cmd[:-3], "--lora-modules", "x=/a"], capture_output=True, text=True, timeout=180)
-    assert out.returncode == 2 and "--lora-modules needs --enable-lora" in out.stderr
+    assert out.returncode == 2 and "--lora-modules and --lora-root need --enable-lora" in out.stderr
 
 
 def test_runtime_load_and_unload_inside_the_root(tiny_chat_model, adapters, oracle, tmp_path_factory):

@@ -59,7 +59,7 @@ class OpenAIServingChat(OpenAIServing):
         choices, generated = gather(await self.collect(requests, raw_request, (request_id, marks), lora), requests,
                                     params.n)
         return ChatCompletionResponse(
-            id=request_id, created=created, model=self.model_name, usage=usage([len(ids)], generated),
+            id=request_id, created=created, model=self.served_name(lora), usage=usage([len(ids)], generated),
             choices=[ChatCompletionResponseChoice(
                 index=i, message=AssistantMessage(content="".join(c.text)), finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason, logprobs=self._logprobs(c.token_ids, c.logprobs, params.logprobs))
@@ -68,7 +68,8 @@ class OpenAIServingChat(OpenAIServing):
     def _stream(self, request_id: str, created: int, requests, include_usage: bool,
                 marks: dict, lora=None) -> AsyncIterator[str]:
         [(_, ids, params)] = requests
-        frame = ChunkFrame("chat.completion.chunk", request_id, created, self.model_name)
+        name = self.served_name(lora)
+        frame = ChunkFrame("chat.completion.chunk", request_id, created, name)
         # the role first, as OpenAI does
         roles = [frame.chat(i, "", None, None, role="assistant") for i in range(params.n)]
 
@@ -78,15 +79,15 @@ class OpenAIServingChat(OpenAIServing):
             return self._chunk(request_id, created, [ChatCompletionStreamChoice(
                 index=out.index, delta=DeltaMessage(content=out.text or None),
                 logprobs=self._logprobs(out.token_ids, out.logprobs, params.logprobs),
-                finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason)], model=name)
 
         def last(generated: int) -> str | None:
-            return self._chunk(request_id, created, [], usage([len(ids)], generated)) if include_usage else None
+            return self._chunk(request_id, created, [], usage([len(ids)], generated), name) if include_usage else None
 
         return self.sse_stream(requests, chunk, last, first=roles, timing=(request_id, marks), lora_request=lora)
 
-    def _chunk(self, request_id: str, created: int, choices, usage_info=None) -> str:
-        return ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+    def _chunk(self, request_id: str, created: int, choices, usage_info=None, model: str | None = None) -> str:
+        return ChatCompletionStreamResponse(id=request_id, created=created, model=model or self.model_name,
                                             choices=choices, usage=usage_info).model_dump_json()
 
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]] | None,

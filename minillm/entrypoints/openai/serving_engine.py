@@ -113,6 +113,10 @@ class OpenAIServing:
         raise APIError(404, f"The model {model!a} does not exist; this server serves {served}",
                        param="model", code="model_not_found")
 
+    def served_name(self, lora_request) -> str:
+        """The `model` an answer names: the adapter's, when the request picked one (as vLLM answers)."""
+        return self.model_name if lora_request is None else lora_request.lora_name
+
     def max_chars(self, tokens: int) -> int | None:
         """The most characters a text of `tokens` tokens can have (None: no such bound): no token covers
         more characters than it has bytes, so a longer text is refused before it is tokenized (a 4 MB
