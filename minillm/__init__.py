@@ -33,9 +33,11 @@ _kernels_from_source_tree()
 from .config import ModelConfig  # noqa: E402
 from .engine import EngineConfig, LLMEngine  # noqa: E402
 from .llm import LLM  # noqa: E402
+from .lora.request import LoRARequest  # noqa: E402
 from .outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
 from .tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "ModelConfig", "RequestOutput", "SamplingParams", "Tokenizer",
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "LoRARequest", "Logprob", "ModelConfig", "RequestOutput",
+           "SamplingParams", "Tokenizer",
            "__version__", "load_tokenizer"]

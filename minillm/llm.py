@@ -35,6 +35,7 @@ from .generation import generate_sequences
 from .inputs import check_length, prompt_ids
 from .layers.quantization.kv_cache import calibrate_kv_scales, calibration_prompts, kv_cache_torch_dtype
 from .loader import load_model
+from .lora.request import LoRARequest, check_lora_request
 from .outputs import RequestOutput
 from .sampling import Sampler, SamplingParams
 
@@ -85,6 +86,8 @@ class LLM:
                 raise TypeError(f"unknown LLM argument: {e}") from None
         elif engine_args:
             raise ValueError(f"engine arguments {sorted(engine_args)} need enable_kv_cache=True")
+        if engine_config is not None and engine_config.enable_lora and tp > 1:
+            raise ValueError("enable_lora=True with tensor_parallel_size > 1 is not supported yet: use one GPU")
         procs = None
         if tp > 1:  # chapter 11: this process becomes rank 0; the other ranks load their shards meanwhile
             check_tp_engine(engine_config)
@@ -159,29 +162,44 @@ class LLM:
     # ---- requests -------------------------------------------------------------------------------
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """prompts: a str, a list of str, or {"prompt_token_ids": [...]} dicts (or a list of them)."""
+                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
+        """prompts: a str, a list of str, or {"prompt_token_ids": [...]} dicts (or a list of them).
+        lora_request (chapter 16; LLM(..., enable_lora=True)): one adapter for every prompt, or a list
+        with one per prompt (None: the base model)."""
         requests = self._prepare(prompts, sampling_params)
-        if not self._enable_kv_cache:  # chapter 02: one request at a time, recomputing everything each step
+        loras = self._lora_requests(lora_request, len(requests))
+        if not self._enable_kv_cache:
+            if any(r is not None for r in loras):
+                raise ValueError("lora_request needs the engine (enable_kv_cache=True, enable_lora=True)")  # chapter 02: one request at a time, recomputing everything each step
             outputs = []
             for prompt, ids, params in tqdm(requests, desc="generating", disable=not use_tqdm or len(requests) < 2):
                 *_, seqs = generate_sequences(self.model, self.tokenizer, ids, params, self.eos_token_ids,
                                               self.sampler, use_kv_cache=False)
                 outputs.append(RequestOutput(str(next(self._ids)), prompt, ids, [s.to_output() for s in seqs]))
             return outputs
-        return self._run_engine(requests, use_tqdm)
+        return self._run_engine(requests, use_tqdm, loras)
 
-    def _run_engine(self, requests, use_tqdm: bool) -> list[RequestOutput]:
+    @staticmethod
+    def _lora_requests(lora_request, n: int) -> list[LoRARequest | None]:
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != n:
+                raise ValueError(f"got {len(lora_request)} lora_request for {n} prompts")
+            return [check_lora_request(f"lora_request[{i}]", r) for i, r in enumerate(lora_request)]
+        return [check_lora_request("lora_request", lora_request)] * n
+
+    def _run_engine(self, requests, use_tqdm: bool, loras: list | None = None) -> list[RequestOutput]:
         """Hand every request to the engine at once and step it until all are done."""
         engine, order, done = self.engine, [], {}
+        loras = loras or [None] * len(requests)
         # Every request is checked before any is queued: a refusal of the tenth leaves no other nine
         # behind in the engine.
-        for i, (_, ids, params) in enumerate(requests):
-            engine.check_request(f"prompts[{i}]", {"prompt_token_ids": ids}, params)
+        for i, ((_, ids, params), lora) in enumerate(zip(requests, loras)):
+            engine.check_request(f"prompts[{i}]", {"prompt_token_ids": ids}, params, lora_request=lora)
         try:
-            for prompt, ids, params in requests:
+            for (prompt, ids, params), lora in zip(requests, loras):
                 rid = str(next(self._ids))
-                engine.add_request(rid, {"prompt_token_ids": ids}, params)
+                engine.add_request(rid, {"prompt_token_ids": ids}, params, lora_request=lora)
                 order.append((rid, prompt))
             with tqdm(total=len(order), desc="generating", disable=not use_tqdm or len(order) < 2) as bar:
                 while len(done) < len(order):
@@ -201,7 +219,8 @@ class LLM:
             outputs.append(out)
         return outputs
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True):
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True,
+             lora_request=None):
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
 
         Each conversation is tokenized by the chat template with its message contents as plain text
@@ -225,24 +244,28 @@ class LLM:
                 if not batch:
                     raise
                 raise type(e)(f"conversation {i}: {e}") from None
-        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request)
         for out, text in zip(outputs, texts):
             out.prompt = text
         return outputs
 
-    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(self, prompt, sampling_params: SamplingParams | None = None,
+               lora_request: LoRARequest | None = None) -> Iterator[str]:
         """Text of one completion as it is generated (n must be 1): what `minillm generate` prints."""
         [(_, ids, params)] = self._prepare([prompt], sampling_params)
+        [lora] = self._lora_requests(lora_request, 1)
         if params.n != 1:
             raise ValueError(f"stream() makes one completion; n must be 1, not {params.n}")
         if not self._enable_kv_cache:
+            if lora is not None:
+                raise ValueError("lora_request needs the engine (enable_kv_cache=True, enable_lora=True)")
             for (seq,) in generate_sequences(self.model, self.tokenizer, ids, params, self.eos_token_ids,
                                               self.sampler, use_kv_cache=False):
                 if delta := seq.stream_delta():
                     yield delta
             return
         rid = str(next(self._ids))
-        self.engine.add_request(rid, {"prompt_token_ids": ids}, params)
+        self.engine.add_request(rid, {"prompt_token_ids": ids}, params, lora_request=lora)
         seq = self.engine.groups[rid].seqs[0]
         try:
             while not seq.finished:

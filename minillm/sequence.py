@@ -64,6 +64,7 @@ class Sequence:
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
         # The engine's bookkeeping (chapter 07); the one-request path of generation.py ignores it.
         self.seq_id = -1
+        self.lora_int_id = 0  # its adapter (chapter 16; 0: the base model): GPU slot and prefix-cache key
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         # Speculative decoding (chapter 09): this step's draft tokens (verified after the last token, not

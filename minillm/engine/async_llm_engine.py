@@ -111,15 +111,16 @@ class AsyncLLMEngine:
         except EngineNotReady:
             return False
 
-    def check(self, request_id: str, prompt, params: SamplingParams):
+    def check(self, request_id: str, prompt, params: SamplingParams, lora_request=None):
         """LLMEngine.check_request: -> (text, ids, checked params copy), or ValueError/TypeError."""
         self.check_ready()
-        return self.engine.check_request(request_id, prompt, params)
+        return self.engine.check_request(request_id, prompt, params, lora_request=lora_request)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    out: asyncio.Queue | Inbox | None = None) -> asyncio.Queue | Inbox:
+                    out: asyncio.Queue | Inbox | None = None, lora_request=None) -> asyncio.Queue | Inbox:
         """Queue a checked request; its rows (engine_core.py) arrive on `out` (anything with put_nowait;
-        several requests may share one; deltas.outputs_of makes RequestOutputs of them)."""
+        several requests may share one; deltas.outputs_of makes RequestOutputs of them). lora_request:
+        its adapter (chapter 16), checked with it."""
         self.check_ready()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -127,7 +128,7 @@ class AsyncLLMEngine:
         arrival = time.perf_counter()
         detok = RequestDetokenizer(self.engine.tokenizer, params.skip_special_tokens)
         self._streams[request_id] = (out, prompt_ids, arrival, detok)
-        self.core.send(("add", request_id, prompt_ids, params, arrival))
+        self.core.send(("add", request_id, prompt_ids, params, arrival, lora_request))
         return out
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
@@ -136,19 +137,21 @@ class AsyncLLMEngine:
         if ids:
             self.core.send(("abort", ids))
 
-    async def stream(self, requests: list[tuple[str, list[int], SamplingParams]]) -> AsyncIterator[RequestOutput]:
+    async def stream(self, requests: list[tuple[str, list[int], SamplingParams]],
+                     lora_request=None) -> AsyncIterator[RequestOutput]:
         """Add requests and yield their deltas as they come, until all have finished. Whoever stops
         reading early (an error, a cancelled task: the client went away) aborts the rest."""
-        async with aclosing(self.stream_batches(requests)) as batches:
+        async with aclosing(self.stream_batches(requests, lora_request)) as batches:
             async for batch in batches:
                 for delta in batch:
                     yield delta
 
-    def stream_batches(self, requests: list[tuple[str, list[int], SamplingParams]]) -> RequestStream:
+    def stream_batches(self, requests: list[tuple[str, list[int], SamplingParams]],
+                       lora_request=None) -> RequestStream:
         """stream(), a list at a time, and eager: the requests are queued for the engine now, not when
         the stream is first read (the server queues them before it sends the response's headers, so
         the engine's prefill overlaps them). See RequestStream."""
-        return RequestStream(self, requests)
+        return RequestStream(self, requests, lora_request)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
         """One request's deltas (stream() of one)."""
@@ -245,12 +248,13 @@ class RequestStream:
     waits), or dropping it unread (a response whose client left before its body began), aborts the
     requests that have not finished."""
 
-    def __init__(self, engine: AsyncLLMEngine, requests: list[tuple[str, list[int], SamplingParams]]):
+    def __init__(self, engine: AsyncLLMEngine, requests: list[tuple[str, list[int], SamplingParams]],
+                 lora_request=None):
         self._engine, self._out, self.pending = engine, Inbox(), set()
         self._prompts = {rid: ids for rid, ids, _ in requests}
         try:
             for rid, ids, params in requests:
-                engine.add_request(rid, ids, params, self._out)
+                engine.add_request(rid, ids, params, self._out, lora_request)
                 self.pending.add(rid)
         except BaseException:
             self.close()

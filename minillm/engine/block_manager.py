@@ -100,23 +100,25 @@ class BlockManager:
 
     # ---- prefix cache ----------------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
+    def match_prefix(self, token_ids: list[int], extra_key: int = 0) -> list[int]:
         """Cached blocks a new sequence can start from. At least one token is left to compute, since
-        the model must run on the last token to predict the next one."""
+        the model must run on the last token to predict the next one. extra_key: the sequence's
+        adapter (chapter 16; 0: none): only blocks computed under it match."""
         if self.prefix_cache is None:
             return []
-        return self.prefix_cache.match(token_ids, (len(token_ids) - 1) // self.block_size)
+        return self.prefix_cache.match(token_ids, (len(token_ids) - 1) // self.block_size, extra_key)
 
     def count_prefix_hits(self, token_ids: list[int], num_hits: int) -> None:
         """Hit statistics, once per admitted sequence (not per admission attempt)."""
         if self.prefix_cache is not None:
             self.prefix_cache.count((len(token_ids) - 1) // self.block_size, num_hits)
 
-    def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
-        """Name the full blocks whose K/V are now computed, so later sequences can find them."""
+    def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int, extra_key: int = 0) -> None:
+        """Name the full blocks whose K/V are now computed (under adapter extra_key), so later
+        sequences can find them."""
         if self.prefix_cache is not None:
             full = num_computed // self.block_size
-            self.prefix_cache.insert(token_ids, self.block_tables[seq_id][:full])
+            self.prefix_cache.insert(token_ids, self.block_tables[seq_id][:full], extra_key)
 
     # ---- allocation ------------------------------------------------------------------------------
 

@@ -58,6 +58,13 @@ class EngineConfig:
     # "SharedStorageConnector" | "SharedPoolConnector", "kv_role": "producer" | "consumer" | "both",
     # "kv_path": DIR, ...} (distributed/kv_transfer/config.py); None: off
     kv_transfer_config: dict | KVTransferConfig | None = None
+    # multi-LoRA serving (chapter 16), vLLM's names: requests may carry a LoRARequest; max_loras adapters
+    # run in one step (GPU slots), of rank <= max_lora_rank; up to max_cpu_loras (None: max_loras)
+    # stay read and checked on the CPU, least recently used evicted first
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_batch"):
@@ -90,6 +97,16 @@ class EngineConfig:
         check_choice("structured_outputs_backend", self.structured_outputs_backend, ("minillm", "xgrammar"))
         if self.structured_outputs_backend == "xgrammar":  # not installed: say so before any model loads
             import_xgrammar()
+        if not isinstance(self.enable_lora, bool):
+            raise TypeError(f"enable_lora must be True or False, not {self.enable_lora!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            check_int(name, getattr(self, name))
+        check_int("max_cpu_loras", self.max_cpu_loras, optional=True)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): every "
+                             "adapter in a GPU slot has its CPU copy")
         kv_cache_torch_dtype(self.kv_cache_dtype)  # an unknown name fails here, before any model is touched
         if self.kv_transfer_config is not None:
             self.kv_transfer_config = KVTransferConfig.from_dict(self.kv_transfer_config)

@@ -117,6 +117,9 @@ class EngineView:
         # check_request validates grammars here (the API process): a manager of its own, same backend
         self.structured = StructuredOutputManager(engine.tokenizer, engine.model.config.vocab_size,
                                                   engine.eos_token_ids, engine.config.structured_outputs_backend)
+        self.lora = None  # adapters are read and checked in the core's process (LLMEngine.add_checked)
+        # what an adapter must fit (chapter 16): the API side checks one loaded at run time against it
+        self.lora_targets = engine.lora.targets if engine.lora is not None else None
 
 
 class _Pool:

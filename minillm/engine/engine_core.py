@@ -7,7 +7,7 @@ It is vLLM V1's EngineCore: the part of the server that touches the model. It do
 runs; core_client.py runs it in a thread of the server's process or in a process of its own. Both
 sides speak plain tuples, so the same loop serves both:
 
-    in   ("add", request_id, prompt_ids, params, arrival)    a checked request
+    in   ("add", request_id, prompt_ids, params, arrival[, lora_request])    a checked request
          ("abort", [request_id, ...])                         its client went away: free its blocks
          ("stop", abort_all)                                  end once nothing runs (abort_all: now)
     out  publish(rows, load) after every pass                 the new tokens of what it changed, one call
@@ -183,9 +183,10 @@ class EngineCore:
         """Run one command; True for "stop"."""
         engine = self.engine
         if cmd[0] == "add":
-            _, rid, ids, params, arrival = cmd
+            _, rid, ids, params, arrival, *lora = cmd  # (chapter 16: its LoRARequest, when the sender has one)
             try:
-                engine.add_checked(rid, None, ids, params)  # the API side ran check_request: not again here
+                # the API side ran check_request: not again here (an adapter unknown to this process is read)
+                engine.add_checked(rid, None, ids, params, lora_request=lora[0] if lora else None)
             except Exception as e:  # a reused id (a race) or a bug: end it cleanly
                 self._refused.append(failed_row(rid, len(ids), e, arrival))
                 return False

@@ -38,6 +38,11 @@ Disaggregated prefill and decode (chapter 17, EngineConfig.kv_transfer_config): 
 scheduler side of a KV connector (distributed/kv_transfer/), the worker the other; each step's loads
 and saves travel in the ModelInput, and the bytes moved come back in the worker's answer
 (engine.stats: kv_bytes_saved, kv_save_gb_per_s, ...), with or without overlap scheduling.
+
+Multi-LoRA (chapter 16, EngineConfig.enable_lora): a request may carry a LoRARequest. Its adapter is
+read and checked when the request is added (lora/manager.py keeps it on the CPU); the scheduler runs
+at most max_loras distinct adapters per step; `_prepare` gives each of the step's adapters a GPU
+slot (copying it in if it is not there) and tells the worker each sequence's slot.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ from ..distributed.kv_transfer import make_kv_connector
 from ..distributed.kv_transfer.config import check_role
 from ..executor import Executor, UniprocExecutor
 from ..inputs import check_length, prompt_ids
+from ..lora.manager import LoRAManager
+from ..lora.request import LoRARequest, check_lora_request
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
 from ..sequence import Sequence, append_sampled, make_sequences, token_text
@@ -94,6 +101,7 @@ class SequenceGroup:
     metrics: RequestMetrics
     pending_forks: list[Sequence]  # sequences 1..n-1 until the prompt is computed
     error: str | None = None  # why a failed step ended this request
+    lora_request: LoRARequest | None = None  # its adapter (chapter 16)
 
     @property
     def finished(self) -> bool:
@@ -153,6 +161,11 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         if spec is not None:
             self.scheduler.num_lookahead = self._num_lookahead
         self.groups: dict[str, SequenceGroup] = {}
+        self.lora = None  # chapter 16: the adapters' CPU pool and GPU slots
+        if config.enable_lora:
+            self.lora = LoRAManager(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+                                    in_use=lambda: {g.lora_request.lora_int_id for g in self.groups.values()
+                                                    if g.lora_request is not None}, stats=self.engine_stats)
         self._group_of: dict[int, SequenceGroup] = {}
         self._seq_ids, self._arrivals = itertools.count(1), itertools.count()
         # False: the outputs step() returns carry text None (Sequence.to_output). The server's engine core
@@ -162,9 +175,11 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
     # ---- requests --------------------------------------------------------------------------------
 
     def check_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                      priority: int = 0) -> tuple[str | None, list[int], SamplingParams]:
+                      priority: int = 0, lora_request: LoRARequest | None = None,
+                      ) -> tuple[str | None, list[int], SamplingParams]:
         """Everything add_request refuses, without queueing anything: -> (text, token ids, a private
-        copy of the params, checked). LLM.generate checks a whole list before it queues any of it."""
+        copy of the params, checked). LLM.generate checks a whole list before it queues any of it.
+        lora_request: the adapter it runs with (read and checked here; enable_lora=True needed)."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, not {type(request_id).__name__} ({request_id!r})")
         params = SamplingParams() if params is None else params
@@ -174,6 +189,12 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
             raise TypeError(f"priority must be an int (lower runs first), not {priority!r}")
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if check_lora_request("lora_request", lora_request) is not None:
+            if not self.config.enable_lora:
+                raise ValueError(f"request {request_id!r} has a lora_request, but the engine was built without "
+                                 "LoRA: build it with enable_lora=True (and max_loras, max_lora_rank)")
+            if self.lora is not None:  # None: a view of an engine in another process, which reads it itself
+                self.lora.check(lora_request)
         # A copy, checked again: the caller may have edited the params since they were built, and may
         # edit them again while the request runs; the engine's copy stays what was checked.
         params = copy.copy(params)  # verify() below puts new lists in place of stop and stop_token_ids
@@ -193,12 +214,14 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
                              f"has {have}; lower max_tokens or give the engine more blocks")
         return text, ids, params
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0) -> None:
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request (prompt: str or {"prompt_token_ids": [...]}); refuse one that can never fit."""
-        self.add_checked(request_id, *self.check_request(request_id, prompt, params, priority), priority)
+        self.add_checked(request_id, *self.check_request(request_id, prompt, params, priority, lora_request),
+                         priority, lora_request)
 
     def add_checked(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> None:
         """Queue what check_request returned (the engine core's intake: the API process checked the
         request and carries the result here), without copying and verifying the params again. Two cheap
         guards stay: the id must be new to this engine, and the ids must lie in the vocabulary and fit the
@@ -210,8 +233,14 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         prompt_ids(None, self.model.config.vocab_size, {"prompt_token_ids": ids}, name)  # min and max, in C
         self._check_kv_transfer(params)
         check_length(name, len(ids), params, self.max_model_len)
+        if lora_request is not None:  # checked in another process (the server's API side): known here too
+            if self.lora is None:
+                raise ValueError(f"{name} has a lora_request, but the engine was built without enable_lora=True")
+            if self.lora.requests.get(lora_request.lora_int_id) != lora_request:
+                self.lora.check(lora_request)
         seqs = make_sequences(ids, params, self.tokenizer, self.eos_token_ids, self.max_model_len)
-        group = SequenceGroup(request_id, text, ids, params, seqs, RequestMetrics(time.perf_counter()), seqs[1:])
+        group = SequenceGroup(request_id, text, ids, params, seqs, RequestMetrics(time.perf_counter()), seqs[1:],
+                              lora_request=lora_request)
         group.metrics.token_times = [[] for _ in seqs]
         self.groups[request_id] = group
         if needs_host_sampling(params):
@@ -221,6 +250,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
             compiled = self.structured.compile(params.structured_outputs, name)
         for s in seqs:
             s.seq_id = next(self._seq_ids)
+            s.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
             self._group_of[s.seq_id] = group
             if compiled is not None:
                 self.structured.add(s.seq_id, compiled)
@@ -313,6 +343,10 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
             step = prepare_model_input(sched.scheduled, self.block_manager.block_tables, self.config.block_size,
                                        logits_indices, self.block_manager.take_table_changes())
         step.kv_connector_metadata = sched.kv_connector_metadata
+        if self.lora is not None:  # chapter 16: each sequence's adapter slot, and the adapters to copy in
+            ids = [s.lora_int_id for s, _ in sched.scheduled]
+            if any(ids):
+                step.lora_slots, step.lora_loads = self.lora.prepare(ids)
         return step
 
     def _logits_rows(self, sched: SchedulerOutput) -> tuple[list[int], list[Sequence]]:
@@ -343,7 +377,8 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
             stats.num_prompt_tokens += max(0, min(seq.num_computed_tokens, len(seq.prompt_ids)) - before)
             # a block just filled: name it for reuse (drafts: only once accepted, in _rollback)
             if name_blocks and before // bs != seq.num_computed_tokens // bs and not seq.spec_token_ids:
-                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                                                     seq.lora_int_id)
 
     def _sampling_order(self, sched: SchedulerOutput, samplers: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """The sequences that sample this step, in the order of the worker's answer, and each one's first

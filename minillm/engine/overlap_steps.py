@@ -106,7 +106,7 @@ class OverlapSteps:
         bs = self.block_manager.block_size
         for seq, before, after in filled:
             if before // bs != after // bs and seq.seq_id in self.block_manager.block_tables:
-                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, after)
+                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, after, seq.lora_int_id)
 
     def _drain(self) -> list[RequestOutput]:
         """Finish the step in flight, if any: -> its outputs."""

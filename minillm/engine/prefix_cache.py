@@ -14,6 +14,11 @@ Both keep blocks that no sequence uses any more (reference count 0) instead of f
 give them back least-recently-used first when the pool runs dry. The BlockManager owns reference
 counts; it tells the cache when a cached block becomes unused (`release`) or used again (`acquire`).
 Only full blocks are cached: a partly written block's name is not known yet.
+
+A block's K/V also depend on the weights that computed them: under a LoRA adapter (chapter 16) the
+same tokens have other keys and values. `extra_key` (the adapter's lora_int_id; 0 for the base
+model) starts each chain (hash) or picks the tree (radix), so a block computed under adapter A is
+never found for adapter B or the base model (vLLM puts the LoRA id into its block hashes likewise).
 """
 
 from __future__ import annotations
@@ -39,12 +44,13 @@ class PrefixCache:
         self.block_size = block_size
         self.stats = EngineStats()  # its counters; the BlockManager shares the engine's with it
 
-    def match(self, token_ids: list[int], max_blocks: int) -> list[int]:
-        """Blocks holding the longest cached prefix of token_ids (at most max_blocks full blocks)."""
+    def match(self, token_ids: list[int], max_blocks: int, extra_key: int = 0) -> list[int]:
+        """Blocks holding the longest cached prefix of token_ids (at most max_blocks full blocks)
+        computed under extra_key (an adapter id; 0: the base model)."""
         raise NotImplementedError
 
-    def insert(self, token_ids: list[int], block_ids: list[int]) -> None:
-        """Record that block_ids[i] holds the K/V of full block i of token_ids."""
+    def insert(self, token_ids: list[int], block_ids: list[int], extra_key: int = 0) -> None:
+        """Record that block_ids[i] holds the K/V of full block i of token_ids, under extra_key."""
         raise NotImplementedError
 
     def __contains__(self, block: int) -> bool:
@@ -97,26 +103,27 @@ class HashPrefixCache(PrefixCache):
         self._hash_of: dict[int, bytes] = {}  # block -> chain hash
         self._lru: OrderedDict[int, None] = OrderedDict()  # evictable blocks, least recently used first
 
-    def _keys(self, token_ids: list[int], num_blocks: int):
+    def _keys(self, token_ids: list[int], num_blocks: int, extra_key: int = 0):
         # A cryptographic hash, not Python's hash(): that one is fast but not collision-resistant, and
         # one collision would hand a sequence another prompt's K/V (a wrong answer, or one user's text
         # leaking into another's). vLLM moved to SHA-256 for the same reason; BLAKE2b-128 is enough here.
-        key = b""
+        # An adapter's chain starts from its own seed (the base model's from b"", as before).
+        key = b"" if not extra_key else b"lora" + array("q", [extra_key]).tobytes()
         for tokens in block_tokens(token_ids, self.block_size, num_blocks):
             key = hashlib.blake2b(key + array("q", tokens).tobytes(), digest_size=16).digest()
             yield key
 
-    def match(self, token_ids, max_blocks):
+    def match(self, token_ids, max_blocks, extra_key=0):
         found = []
-        for key in self._keys(token_ids, max_blocks):
+        for key in self._keys(token_ids, max_blocks, extra_key):
             block = self._block_of.get(key)
             if block is None:
                 break
             found.append(block)
         return found
 
-    def insert(self, token_ids, block_ids):
-        for key, block in zip(self._keys(token_ids, len(block_ids)), block_ids):
+    def insert(self, token_ids, block_ids, extra_key=0):
+        for key, block in zip(self._keys(token_ids, len(block_ids), extra_key), block_ids):
             if key not in self._block_of and block not in self._hash_of:  # first writer names it
                 self._block_of[key], self._hash_of[block] = block, key
 
@@ -154,6 +161,7 @@ class RadixPrefixCache(PrefixCache):
     def __init__(self, block_size: int):
         super().__init__(block_size)
         self.root = _Node((), -1, None)
+        self._roots: dict[int, _Node] = {0: self.root}  # one tree per adapter (extra_key)
         self._node_of: dict[int, _Node] = {}  # block -> its node
         self._evictable: set[int] = set()  # cached blocks with no user
         self._clock = itertools.count(1)
@@ -171,8 +179,14 @@ class RadixPrefixCache(PrefixCache):
                                 if not self._node_of[b].children]
                 heapq.heapify(self._leaves)
 
-    def match(self, token_ids, max_blocks):
-        node, found, now = self.root, [], next(self._clock)
+    def _root(self, extra_key: int) -> _Node:
+        root = self._roots.get(extra_key)
+        if root is None:
+            root = self._roots[extra_key] = _Node((), -1, None)
+        return root
+
+    def match(self, token_ids, max_blocks, extra_key=0):
+        node, found, now = self._root(extra_key), [], next(self._clock)
         for tokens in block_tokens(token_ids, self.block_size, max_blocks):
             node = node.children.get(tokens)
             if node is None:
@@ -182,8 +196,8 @@ class RadixPrefixCache(PrefixCache):
             found.append(node.block)
         return found
 
-    def insert(self, token_ids, block_ids):
-        node, now = self.root, next(self._clock)
+    def insert(self, token_ids, block_ids, extra_key=0):
+        node, now = self._root(extra_key), next(self._clock)
         for tokens, block in zip(block_tokens(token_ids, self.block_size, len(block_ids)), block_ids):
             child = node.children.get(tokens)
             if child is None:
@@ -222,7 +236,7 @@ class RadixPrefixCache(PrefixCache):
             del self._node_of[block]
             del node.parent.children[node.tokens]
             self._evictable.discard(block)
-            if node.parent is not self.root:
+            if node.parent.block != -1:  # not a root (the base model's, or an adapter's)
                 self._candidate(node.parent)  # it may have just become a leaf
             return block
         return None

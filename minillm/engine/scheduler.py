@@ -18,6 +18,13 @@ Speculative decoding (chapter 09): `num_lookahead(seq, batch_size)` (set by the 
 draft tokens a decoding sequence may carry this step; the scheduler reserves their token budget and KV
 slots with its own (1 + k tokens), or runs it without drafts when the pool cannot hold them.
 
+Multi-LoRA (chapter 16, EngineConfig.enable_lora): the running sequences never use more than
+max_loras distinct adapters (the GPU slots). A swapped or waiting sequence whose adapter is not among
+them joins only while a slot is left; otherwise it waits, and the waiting sequences behind it that
+need no adapter (at most max_num_seqs looked at) may go first. Those with an adapter wait too, even
+one that runs: else a busy adapter's stream of new requests would keep its slot, and the passed-over
+request its wait, forever.
+
 Order is (priority, arrival): lower priority values go first, then first come, first served.
 Finished sequences leave at once (`finish`), so their blocks serve someone else the next step.
 The waiting queue is a heap with O(1) removal (waiting_queue.py): admitting, finishing and aborting
@@ -220,12 +227,29 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
             self.waiting_for_remote_kvs.append(seq)
         return n
+    def _adapters(self) -> set[int] | None:
+        """The adapters the running sequences use (None: LoRA is off, no limit)."""
+        if not self.config.enable_lora:
+            return None
+        return {s.lora_int_id for s in self.running if s.lora_int_id}
+
+    def _adapter_fits(self, seq: Sequence, adapters: set[int] | None) -> bool:
+        """Whether seq may run beside them without a (max_loras + 1)-th adapter; counts it in if so."""
+        if adapters is None or not seq.lora_int_id or seq.lora_int_id in adapters:
+            return True
+        if len(adapters) >= self.config.max_loras:
+            return False
+        adapters.add(seq.lora_int_id)
+        return True
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         self.swapped.sort(key=self._key)
         seats = self._free_seats()  # once per pass, then kept up to date (not a scan per candidate)
+        adapters = self._adapters()
         while self.swapped and budget > 0 and self._seats(self.swapped[0]) <= seats:
             seq = self.swapped[0]
+            if adapters is not None and not self._adapter_fits(seq, set(adapters)):
+                break  # its adapter needs a slot the running ones hold: it comes back when one frees
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # its blocks come back, plus any the next n tokens start (exactly: a spare block would make a
             # sequence that needs the whole pool wait forever once everyone else is swapped out too)
@@ -238,6 +262,8 @@ class Scheduler:
                 raise RuntimeError("swap-in: blocks counted free were not")  # cannot happen: checked above
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if adapters is not None:
+                self._adapter_fits(seq, adapters)
             seats -= self._seats(seq)
             out.scheduled.append((seq, n))
             budget -= n
@@ -245,9 +271,15 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         seats = self._free_seats()
+        adapters, passed = self._adapters(), []  # passed: waiting sequences whose adapter has no slot now
         while self.waiting and budget > 0 and self._seats(self.waiting.peek()) <= seats:
             seq = self.waiting.peek()
-            hits = self.bm.match_prefix(seq.token_ids)
+            if adapters is not None and seq.lora_int_id and (passed or not self._adapter_fits(seq, set(adapters))):
+                if len(passed) >= self.config.max_num_seqs:
+                    break
+                passed.append(self.waiting.popleft())  # back in its place below: its key is unchanged
+                continue
+            hits = self.bm.match_prefix(seq.token_ids, seq.lora_int_id)
             computed = len(hits) * self.bm.block_size
             remote = 0
             if self.connector is not None and (remote := self._remote_tokens(seq, computed, out)) is None:
@@ -264,9 +296,13 @@ class Scheduler:
             seq.num_draft_computed = 0  # prefix hits hold the target's K/V, not a draft model's
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if adapters is not None:
+                self._adapter_fits(seq, adapters)
             seats -= self._seats(seq)
             out.scheduled.append((seq, n))
             budget -= n
+        for seq in passed:
+            self.waiting.append(seq)
 
     @property
     def num_preemptions(self) -> int:

@@ -101,4 +101,5 @@ class SpecDecodeSteps:
         bs = self.block_manager.block_size
         self.block_manager.trim(seq.seq_id, seq.num_tokens)
         if before // bs != seq.num_computed_tokens // bs:  # accepted tokens filled a block: name it now
-            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                                                 seq.lora_int_id)

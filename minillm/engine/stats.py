@@ -26,6 +26,8 @@ class EngineStats:
     num_prompt_tokens: int = 0  # prompt tokens computed (a preempted prompt counts again)
     num_generation_tokens: int = 0  # tokens sampled
     num_failed_requests: int = 0  # requests ended by an error in their step (finish_reason "error")
+    num_lora_slot_loads: int = 0  # LoRA adapters copied into a GPU slot (chapter 16: swap-ins)
+    num_lora_disk_loads: int = 0  # LoRA adapters read from disk into the CPU pool
     spec: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)  # drafts and acceptance (chapter 09)
     kv: KVTransferStats = field(default_factory=KVTransferStats)  # KV moved by a connector (chapter 17)
 

@@ -20,6 +20,10 @@ static buffers sized for the largest shape, and a smaller step is padded to its 
 * the attention kernel of a mixed graph is launched as if a sequence could hold all T_pad tokens
   (max_seqlen = T_pad): its programs for tiles past a sequence's end return at once.
 
+With LoRA (chapter 16) every graph also reads a static [T_pad] buffer of adapter slots, one per
+token (-1: none, padding included), through the forward context; the LoRA layers' kernels index
+the adapters' slot buffers with it, so one graph serves every mix of adapters.
+
 The step's logits, at the rows its `logits_indices` name (at most one per sequence of a decode
 shape; up to logits_per_seq per sequence of a mixed one: chapter 09's verify wants the last token's
 and one per draft token, so a step with drafts replays a token bucket's graph; more runs eagerly),
@@ -72,7 +76,8 @@ class StepGraphs:
     buffers, run eagerly: the padding is then checked on any device against the unpadded path."""
 
     def __init__(self, model, device: torch.device, decode_sizes: list[int], buckets: list[int],
-                 max_num_seqs: int, max_blocks_per_seq: int, capture: bool = True, logits_per_seq: int = 1):
+                 max_num_seqs: int, max_blocks_per_seq: int, capture: bool = True, logits_per_seq: int = 1,
+                 lora: bool = False):
         self.model, self.device, self.capture = model, device, capture
         self.logits_per_seq = logits_per_seq  # 1 + k with speculative decoding (k draft tokens a sequence)
         self.decode_sizes, self.buckets, self.max_num_seqs = decode_sizes, buckets, max_num_seqs
@@ -83,6 +88,8 @@ class StepGraphs:
         self.tokens = torch.zeros(6, T, dtype=torch.int64, device=device)
         self.seqs = torch.ones(2, S + 1, dtype=torch.int32, device=device)  # rows: seq_lens, cu_seqlens
         self.table = torch.zeros(S, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # chapter 16: each token's adapter slot, -1 for none (None: the model has no LoRA layers)
+        self.lora_slots = torch.full((T,), -1, dtype=torch.int32, device=device) if lora else None
         self.logits: torch.Tensor | None = None  # [max logits rows, vocab] fp32, made by the first capture
         shapes = [Shape(b, b, 1) for b in decode_sizes] + [Shape(t, min(max_num_seqs, t), t) for t in buckets]
         self.max_logits = max(self.logits_rows(s) for s in shapes)
@@ -110,15 +117,21 @@ class StepGraphs:
         return shape.seqs if shape.max_seqlen == 1 else min(shape.tokens, shape.seqs * self.logits_per_seq)
 
     def run(self, shape: Shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices,
-            prev: tuple[list[int], list[int], torch.Tensor] | None = None) -> torch.Tensor:
+            prev: tuple[list[int], list[int], torch.Tensor] | None = None,
+            lora_slots: list[int] | None = None) -> torch.Tensor:
         """Copy one step's inputs (ModelRunner.prepare's lists; query_lens: new tokens per sequence;
         logits_indices: the token rows that want logits) into the buffers, padded to shape, and replay
         (capturing first if this shape is new); -> logits [len(logits_indices), vocab], valid until the
         next run. prev = (dst rows, src rows, the previous step's sampled tokens on the device): overlap
         scheduling's rows whose token ids only the GPU knows (chapter 13); their row numbers travel in
-        the same host-to-device copy as the ids, and two small kernels move the tokens."""
+        the same host-to-device copy as the ids, and two small kernels move the tokens. lora_slots: each
+        token's adapter slot (chapter 16; None: none has one)."""
         dst, src, prev_tokens = prev if prev is not None and prev[0] else ([], [], None)
         self._fill(shape, ids, pos, slots, seq_lens, table, query_lens, logits_indices, dst, src)
+        if self.lora_slots is not None:
+            T = len(ids)
+            host = torch.tensor((lora_slots or [-1] * T) + [-1] * (shape.tokens - T), dtype=torch.int32)
+            self.lora_slots[: shape.tokens].copy_(host, non_blocking=True)
         if dst:
             P = len(dst)
             self.tokens[0].index_copy_(0, self.tokens[4, :P], prev_tokens.index_select(0, self.tokens[5, :P]))
@@ -155,9 +168,11 @@ class StepGraphs:
         seq_lens, cu = self.seqs[0, :S], self.seqs[1, : S + 1]
         meta = AttentionMetadata(cu_seqlens=cu, max_seqlen=shape.max_seqlen, seq_lens=seq_lens,
                                  block_table=self.table[:S], slot_mapping=slots)
+        lora_mapping = self.lora_slots[:T] if self.lora_slots is not None else None  # [T] static
 
         def forward() -> torch.Tensor:
-            with set_forward_context(meta):  # read at capture; what a layer takes from it is a static buffer
+            # read at capture; what a layer takes from it is a static buffer
+            with set_forward_context(meta, lora_mapping=lora_mapping):
                 hidden = self.model(ids, pos, meta)  # [T, hidden]
             return self.model.compute_logits(hidden[rows])  # [R, vocab] at the step's logits_indices
 
@@ -206,6 +221,8 @@ class StepGraphs:
     def _dummy(self, shape: Shape, lens: list[int]) -> None:
         t, width = sum(lens), self.table.shape[1]
         self._fill(shape, [0] * t, [0] * t, [-1] * t, lens, [[0] * width] * len(lens), lens, [])
+        if self.lora_slots is not None:
+            self.lora_slots.fill_(-1)  # no adapter for the dummies
         self._capture(shape)
 
     def clear(self) -> None:

@@ -18,6 +18,8 @@ cache's addresses (chapter 05), for the sequences scheduled with n new tokens ea
     seq_ids, table_updates,          (chapter 13) instead of block_table: the sequences in order, and
     dropped_tables                   what changed in the block tables since the last step; the worker
                                      keeps the tables (worker/block_table.py) and gathers [B, W] itself
+    lora_slots, lora_loads           (chapter 16) each sequence's adapter slot [B], and the adapters to
+                                     copy into the GPU slots first
 
 The engine builds it (engine/step_input.py, from its Sequence objects); nothing here knows a
 Sequence. Plain data is what lets the worker live elsewhere: in this process (UniprocExecutor), or once per GPU
@@ -83,6 +85,10 @@ class ModelInput:
     sampling: SamplingInput | None = None
     # chapter 17: the KV connector's loads and saves this step (KVConnectorMetadata), or None
     kv_connector_metadata: Any = None
+    # multi-LoRA (chapter 16): each sequence's adapter slot [B] (-1: none; None: nobody has one), and
+    # the adapters (slot, LoRAModel) the worker copies into its GPU slots before the forward pass
+    lora_slots: list[int] | None = None
+    lora_loads: list[tuple[int, Any]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

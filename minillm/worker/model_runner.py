@@ -36,11 +36,19 @@ def take_prev_tokens(input_ids: torch.Tensor, step: ModelInput, prev_tokens: tor
     input_ids.index_copy_(0, dst, prev_tokens.index_select(0, src).to(input_ids.dtype))
 
 
+def token_lora_slots(step: ModelInput) -> list[int] | None:
+    """Chapter 16: each token's adapter slot [T] (its sequence's; -1: none), or None without adapters."""
+    if step.lora_slots is None:
+        return None
+    return [slot for slot, n in zip(step.lora_slots, step.query_lens) for _ in range(n)]
+
+
 def forward_packed(model, device, step: ModelInput, prev_tokens: torch.Tensor | None = None,
                    block_table=None, kv_connector=None) -> torch.Tensor:
     """One eager forward pass over a ModelInput; -> logits [len(step.logits_indices), vocab] fp32.
     block_table: the step's [B, W] table when the worker keeps the tables (else step.block_table).
-    kv_connector: chapter 17's worker side, bound to the step's work; its attention hooks run inside."""
+    kv_connector: chapter 17's worker side, bound to the step's work; its attention hooks run inside.
+    The forward context carries each token's adapter slot (lora_mapping [T]) when some have one."""
     meta = AttentionMetadata.from_seq_lens(step.query_lens, device)
     meta.seq_lens = torch.tensor(step.seq_lens, dtype=torch.int32, device=device)  # [B]
     table = step.block_table if block_table is None else block_table
@@ -48,7 +56,9 @@ def forward_packed(model, device, step: ModelInput, prev_tokens: torch.Tensor | 
     meta.slot_mapping = torch.tensor(step.slot_mapping, dtype=torch.int64, device=device)  # [T]
     input_ids = torch.tensor(step.input_ids, device=device)  # [T]
     take_prev_tokens(input_ids, step, prev_tokens)
-    with set_forward_context(meta, kv_connector=kv_connector):
+    slots = token_lora_slots(step)
+    lora_mapping = None if slots is None else torch.tensor(slots, dtype=torch.int32, device=device)  # [T]
+    with set_forward_context(meta, kv_connector=kv_connector, lora_mapping=lora_mapping):
         hidden = model(input_ids, torch.tensor(step.positions, device=device), meta)  # [T, hidden]
     rows = torch.tensor(step.logits_indices, dtype=torch.long, device=device)  # [rows]
     return model.compute_logits(hidden[rows])  # [rows, vocab]
@@ -72,6 +82,7 @@ class ModelRunner:
         self.max_num_seqs = config.max_num_seqs
         spec = config.speculative_config  # chapter 09: a verify wants logits at 1 + k rows per sequence
         self.logits_per_seq = 1 + spec.num_speculative_tokens if spec is not None else 1
+        self.enable_lora = getattr(config, "enable_lora", False)  # graphs then carry a per-token slot buffer
         self._first_layer = cache_layers(model)[0]
         ensure_kv_scales(model, cache.specs[0].dtype)  # a quantized cache: scales calibrated before any graph
         cache.bind(model)
@@ -85,7 +96,7 @@ class ModelRunner:
             return StepGraphs(model, self.device, self.graph_sizes, self.token_buckets, self.max_num_seqs,
                               self.max_blocks_per_seq, capture)
         return StepGraphs(self.model, self.device, self.graph_sizes, self.token_buckets, self.max_num_seqs,
-                          self.max_blocks_per_seq, capture, self.logits_per_seq)
+                          self.max_blocks_per_seq, capture, self.logits_per_seq, lora=self.enable_lora)
 
     @torch.inference_mode()
     def execute(self, step: ModelInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,7 +117,7 @@ class ModelRunner:
         if shape is not None:
             return graphs.run(shape, step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
                               table, step.query_lens, step.logits_indices,
-                              (step.prev_token_dst, step.prev_token_src, prev_tokens))
+                              (step.prev_token_dst, step.prev_token_src, prev_tokens), token_lora_slots(step))
         return forward_packed(self.model, self.device, step, prev_tokens, table)
 
     def _execute_with_transfers(self, step: ModelInput, prev_tokens, table, kv_meta) -> torch.Tensor:

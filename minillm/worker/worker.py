@@ -23,6 +23,7 @@ import torch
 
 from ..cache.paged import PagedKVCache
 from ..distributed.kv_transfer import make_kv_connector
+from ..lora.layers import set_adapter, wrap_lora_layers
 from .model_input import ModelInput, ModelRunnerOutput
 from .model_runner import ModelRunner
 from .sample_step import StepSampler, sample_step
@@ -31,6 +32,9 @@ from .sample_step import StepSampler, sample_step
 class Worker:
     def __init__(self, model, config, draft_model=None):
         self.model, self.config, self.draft_model = model, config, draft_model
+        # chapter 16: the adaptable linear layers get max_loras GPU slots each, before any graph is captured
+        self.lora_layers = (wrap_lora_layers(model, config.max_loras, config.max_lora_rank)
+                            if getattr(config, "enable_lora", False) else {})
         self.sizes = config.resolve(model, draft_model)  # the context, and what memory allows
         self.cache: PagedKVCache | None = None
         self.runner: ModelRunner | None = None
@@ -71,6 +75,8 @@ class Worker:
         takes from the previous one's tokens (overlap scheduling) read the tokens this worker sampled
         last, on the device (prev_tokens: a tensor-parallel rank's copy of rank 0's). sample=False:
         a rank that only takes part in the forward pass (chapter 11)."""
+        for slot, lora in step.lora_loads:  # adapters into their GPU slots, in stream order before the pass
+            set_adapter(self.lora_layers, slot, lora)
         logits = self.runner.execute(step, self.last_sampled if prev_tokens is None else prev_tokens)
         if not sample:
             return None

@@ -8,7 +8,8 @@
     GET  /health                503 while the model loads and warms up (and once shutdown began), then 200
     GET  /metrics               Prometheus text (metrics.py)
     GET  /debug/timing/{id}     where one recent request's time went (serving_engine.record; notebook 12)
-    GET  /v1/models             the one model served
+    GET  /v1/models             the model served, and its LoRA adapters (--lora-modules; chapter 16)
+    POST /v1/load_lora_adapter  serving_lora.py: with --lora-root only (and /v1/unload_lora_adapter)
     POST /v1/completions        serving_completion.py
     POST /v1/chat/completions   serving_chat.py
 
@@ -54,10 +55,19 @@ from ...engine.async_llm_engine import AsyncLLMEngine, EngineNotReady
 from .cli_args import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_PROMPTS, DEFAULT_MAX_SEQS
 from .http_limits import http_protocol
 from .metrics import ServerMetrics
-from .protocol import BadField, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .protocol import (
+    BadField,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    ModelCard,
+    ModelList,
+    UnloadLoRAAdapterRequest,
+)
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 from .serving_engine import KEEP_TIMINGS, APIError
+from .serving_lora import OpenAIServingLoRA
 
 logger = logging.getLogger("minillm.serve")
 
@@ -69,7 +79,8 @@ PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; style-src 'self'
 
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
               max_request_bytes: int = 4 * 2**20, max_prompts: int = DEFAULT_MAX_PROMPTS,
-              max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS, max_seqs: int = DEFAULT_MAX_SEQS) -> FastAPI:
+              max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS, max_seqs: int = DEFAULT_MAX_SEQS,
+              lora_requests=(), lora_root: str | None = None) -> FastAPI:
     metrics = ServerMetrics(engine)
     engine.on_finished = metrics.request_finished
 
@@ -85,9 +96,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     app.state.on_dead = lambda: None  # run() makes it stop the server
     app.state.engine, app.state.metrics = engine, metrics
     timings = OrderedDict()  # response id -> its stamps, both endpoints'
+    loras = {r.lora_name: r for r in lora_requests}  # the `model` names that pick an adapter
     completions = OpenAIServingCompletion(engine, model_name, timings, max_prompts=max_prompts,
-                                          max_prompt_tokens=max_prompt_tokens, max_seqs=max_seqs)
-    chat = OpenAIServingChat(engine, model_name, timings)
+                                          max_prompt_tokens=max_prompt_tokens, max_seqs=max_seqs, lora_modules=loras)
+    chat = OpenAIServingChat(engine, model_name, timings, lora_modules=loras)
     app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes, metrics=metrics)
     _add_error_handlers(app)
 
@@ -113,19 +125,31 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                            f"{KEEP_TIMINGS} requests", param="request_id", code="not_found")
         return timings[request_id]
 
-    def card() -> ModelCard:
+    def card(name: str = model_name) -> ModelCard:
         built = engine.engine
-        return ModelCard(id=model_name, created=int(app.state.started),
+        return ModelCard(id=name, created=int(app.state.started), root=loras[name].lora_path if name in loras else name,
+                         parent=model_name if name in loras else None,
                          max_model_len=built.max_model_len if built is not None else None)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[card()])
+        return ModelList(data=[card(), *(card(name) for name in loras)])
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> ModelCard:
         completions.check_model(model_id)
-        return card()
+        return card(model_id if model_id in loras else model_name)
+
+    if lora_root is not None:  # runtime adapter updates: only when the operator names their folder
+        lora = OpenAIServingLoRA(engine, model_name, loras, lora_root)
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest):
+            return await lora.load(request.lora_name, request.lora_path)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest):
+            return lora.unload(request.lora_name)
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request):
@@ -304,7 +328,7 @@ def run_server(args) -> int:
     """`minillm serve`: build the app, serve until SIGTERM/Ctrl-C. -> exit status (ValueError: no engine)."""
     from ...engine import EngineConfig
     from ...model_files import embedded_model_path
-    from .cli_args import build_llm_engine, check_api_key, engine_kwargs
+    from .cli_args import build_llm_engine, check_api_key, engine_kwargs, lora_requests
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.switch_interval_ms is not None:  # how long a thread may hold the GIL while the other waits
@@ -317,12 +341,15 @@ def run_server(args) -> int:
             raise ValueError(f"$MINILLM_API_KEY {e}") from None
     model_name = args.served_model_name or args.model or embedded_model_path().stem
     EngineConfig(**engine_kwargs(args))  # a bad engine flag: exit 2 now, before the port opens
+    loras = lora_requests(args)
+    if model_name in {r.lora_name for r in loras}:
+        raise ValueError(f"--lora-modules name {model_name!r} is the base model's served name: pick another")
     llm_args = dict(model=args.model, dtype=args.dtype, device=args.device,
                     tensor_parallel_size=args.tensor_parallel_size, **engine_kwargs(args))
-    make = partial(build_llm_engine, llm_args, getattr(args, "quantization", None))
+    make = partial(build_llm_engine, llm_args, getattr(args, "quantization", None), tuple(loras))
     engine = AsyncLLMEngine(make, warm_up=False if args.no_warm_up else "auto", engine_core=args.engine_core)
     app = build_app(engine, model_name, api_key, args.max_request_bytes, args.max_prompts_per_request,
-                    args.max_prompt_tokens_per_request, args.max_seqs_per_request)
+                    args.max_prompt_tokens_per_request, args.max_seqs_per_request, loras, getattr(args, "lora_root", None))
     loop, http = fast_loop_and_parser()
     protocol, http_kwargs = http_protocol(http, args.max_header_bytes)  # headers bounded before the key is checked
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop=loop, http=protocol,

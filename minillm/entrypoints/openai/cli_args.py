@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 128k-token prompt is about 0.5 MB of text
 # the limits of one completions request (serving_completion.py, where they are enforced)
@@ -97,7 +98,34 @@ ENGINE_FLAGS = [
      "structured_outputs grammars into token masks: minillm (ours, chapter 14) or xgrammar (the PyPI package)"),
     ("--kv-cache-dtype", "kv_cache_dtype", str, "KV cache storage: auto (the model's dtype), fp8 (e4m3) or int8, "
      "scales calibrated on the tokenizer's text (chapter 08)"),
+    ("--max-loras", "max_loras", int, "LoRA adapters in one step: GPU slots (chapter 16)"),
+    ("--max-lora-rank", "max_lora_rank", int, "the largest adapter rank served"),
+    ("--max-cpu-loras", "max_cpu_loras", int, "adapters kept read on the CPU (default: --max-loras)"),
 ]
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path or any(ch.isspace() for ch in name):
+        raise argparse.ArgumentTypeError(f"must be NAME=PATH (a PEFT adapter folder), not {value!r}")
+    return name, path
+
+
+def lora_requests(args: argparse.Namespace) -> list:
+    """--lora-modules as LoRARequests, ids 1, 2, ... in the order given; a name used twice, or one that
+    is the base model's, is a ValueError (the OpenAI `model` field could not tell them apart)."""
+    from ...lora.request import LoRARequest
+
+    modules = getattr(args, "lora_modules", None) or []
+    if (modules or getattr(args, "lora_root", None)) and not args.enable_lora:
+        raise ValueError("--lora-modules and --lora-root need --enable-lora")
+    root = getattr(args, "lora_root", None)
+    if root is not None and not os.path.isdir(root):
+        raise ValueError(f"--lora-root {root!r} is not a folder")
+    names = [n for n, _ in modules]
+    if dup := sorted({n for n in names if names.count(n) > 1}):
+        raise ValueError(f"--lora-modules names must be unique; {', '.join(dup)} given twice")
+    return [LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(modules)]
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -142,6 +170,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "(NAME:key=value,... for options), or a folder written by `minillm quantize`")
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                    help="split the model over N GPUs (or N CPU processes), one worker process each (chapter 11)")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model (chapter 16)")
+    p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                   help="adapters to serve (PEFT folders); a request's `model` field picks one by NAME")
+    p.add_argument("--lora-root", default=None, metavar="DIR",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter at run time, for adapter "
+                   "folders inside DIR only (off without it)")
     g = p.add_argument_group("engine")
     for flag, field, kind, text in ENGINE_FLAGS:
         g.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS, help=text)
@@ -197,19 +231,26 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["enforce_eager"] = True
     if (kv := kv_transfer_config(args)) is not None:
         kwargs["kv_transfer_config"] = kv
+    if getattr(args, "enable_lora", False):
+        kwargs["enable_lora"] = True
     return kwargs
 
 
-def build_llm_engine(llm_args: dict, quantization: str | None = None):
-    """The server's LLMEngine: LLM(**llm_args).engine, --quantization parsed here. A module-level
-    function, so `functools.partial(build_llm_engine, ...)` travels to an engine core process."""
+def build_llm_engine(llm_args: dict, quantization: str | None = None, lora_requests: tuple = ()):
+    """The server's LLMEngine: LLM(**llm_args).engine, --quantization parsed here, every --lora-modules
+    adapter read and checked (a bad one fails the start, naming it). A module-level function, so
+    `functools.partial(build_llm_engine, ...)` travels to an engine core process."""
     from ...llm import LLM
 
     if quantization is not None:  # chapter 08: a name, NAME:opts or a saved folder
         from ...quantize import parse_quantization
 
         llm_args = {**llm_args, "quantization": parse_quantization(quantization)}
-    return LLM(**llm_args).engine
+    engine = LLM(**llm_args).engine
+    for request in lora_requests:
+        engine.lora.check(request)
+    return engine
+
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:

@@ -25,7 +25,8 @@ from ...outputs import RequestOutput
 
 disable_created_metrics()  # no *_created series: a scrape reads as vLLM's does
 
-PATHS = frozenset({"/", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+PATHS = frozenset({"/", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+                   "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
@@ -100,5 +101,9 @@ class _EngineCollector:
                            ("transfers_saved", "Prompts whose KV a connector published"),
                            ("transfers_loaded", "Prompts whose KV a connector loaded")):
             yield CounterMetricFamily(f"minillm_kv_{name}", what, value=stats.get(f"kv_{name}", 0))
+        yield CounterMetricFamily("minillm_lora_slot_loads", "LoRA adapters copied into a GPU slot (swap-ins)",
+                                  value=stats.get("num_lora_slot_loads", 0))
+        yield CounterMetricFamily("minillm_lora_disk_loads", "LoRA adapters read from disk into the CPU pool",
+                                  value=stats.get("num_lora_disk_loads", 0))
         yield GaugeMetricFamily("minillm_ready", "1 when the engine serves requests (GET /health is 200)",
                                 value=1.0 if self.engine.ready else 0.0)

@@ -320,7 +320,22 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "minillm"
+    root: str | None = None  # vLLM's fields: an adapter's folder, and the base model it adapts
+    parent: str | None = None
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body); lora_path is relative to --lora-root (or inside it)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    lora_name: str
 
 
 class ModelList(BaseModel):

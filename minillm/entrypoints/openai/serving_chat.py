@@ -49,7 +49,7 @@ _RENAMES = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
         received = time.perf_counter()
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         plan = tool_plan(request.tools, request.tool_choice, request.parallel_tool_calls,
                          self.engine.engine.structured.compiler.check, self._renders_tools)
         structured = structured_outputs_of(request.response_format, request.structured_outputs)
@@ -78,14 +78,14 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, str(e), param="messages") from None
         marks = {"received": received, "tokenized": time.perf_counter()}
         request_id, created = new_id("chatcmpl")
-        requests = self.check(request_id, [ids], params, "messages", structured[1])
+        requests = self.check(request_id, [ids], params, "messages", structured[1], lora)
         if request.stream:
-            return StreamingResponse(self._stream(request_id, created, requests, request.include_usage, marks, plan),
+            return StreamingResponse(self._stream(request_id, created, requests, request.include_usage, marks, plan, lora),
                                      media_type="text/event-stream")
-        choices, generated = gather(await self.collect(requests, raw_request, (request_id, marks)), requests,
+        choices, generated = gather(await self.collect(requests, raw_request, (request_id, marks), lora), requests,
                                     params.n)
         return ChatCompletionResponse(
-            id=request_id, created=created, model=self.model_name, usage=usage([len(ids)], generated),
+            id=request_id, created=created, model=self.served_name(lora), usage=usage([len(ids)], generated),
             choices=[ChatCompletionResponseChoice(
                 index=i, message=(message := self._message("".join(c.text), plan)),
                 finish_reason=c.finish_reason if not message.tool_calls else finish_reason(c.finish_reason),
@@ -126,9 +126,10 @@ class OpenAIServingChat(OpenAIServing):
         return len(text)
 
     def _stream(self, request_id: str, created: int, requests, include_usage: bool,
-                marks: dict, plan: ToolPlan | None = None) -> AsyncIterator[str]:
+                marks: dict, plan: ToolPlan | None = None, lora=None) -> AsyncIterator[str]:
         [(_, ids, params)] = requests
-        frame = ChunkFrame("chat.completion.chunk", request_id, created, self.model_name)
+        name = self.served_name(lora)
+        frame = ChunkFrame("chat.completion.chunk", request_id, created, name)
         # the role first, as OpenAI does
         roles = [frame.chat(i, "", None, None, role="assistant") for i in range(params.n)]
         auto = plan is not None and plan.mode == "auto"
@@ -137,7 +138,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk(_: int, out) -> str | None:
             if auto:
-                return self._auto_chunk(request_id, created, parsers[out.index], out, params.logprobs)
+                return self._auto_chunk(request_id, created, parsers[out.index], out, params.logprobs, name)
             if parsers is not None:  # tool calls: their deltas, not the text
                 calls = parsers[out.index].feed(out.text or "")
                 reason = finish_reason(out.finish_reason)
@@ -146,20 +147,21 @@ class OpenAIServingChat(OpenAIServing):
                 return self._chunk(request_id, created, [ChatCompletionStreamChoice(
                     index=out.index, delta=DeltaMessage(tool_calls=calls or None),
                     logprobs=self._logprobs(out.token_ids, out.logprobs, params.logprobs),
-                    finish_reason=reason, stop_reason=out.stop_reason)])
+                    finish_reason=reason, stop_reason=out.stop_reason)], model=name)
             if out.logprobs is None or params.logprobs is None:  # the hot path (stream_chunks.py)
                 return frame.chat(out.index, out.text or None, out.finish_reason, out.stop_reason)
             return self._chunk(request_id, created, [ChatCompletionStreamChoice(
                 index=out.index, delta=DeltaMessage(content=out.text or None),
                 logprobs=self._logprobs(out.token_ids, out.logprobs, params.logprobs),
-                finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason)], model=name)
 
         def last(generated: int) -> str | None:
-            return self._chunk(request_id, created, [], usage([len(ids)], generated)) if include_usage else None
+            return self._chunk(request_id, created, [], usage([len(ids)], generated), name) if include_usage else None
 
-        return self.sse_stream(requests, chunk, last, first=roles, timing=(request_id, marks))
+        return self.sse_stream(requests, chunk, last, first=roles, timing=(request_id, marks), lora_request=lora)
 
-    def _auto_chunk(self, request_id: str, created: int, parser: HermesToolParser, out, top) -> str | None:
+    def _auto_chunk(self, request_id: str, created: int, parser: HermesToolParser, out, top,
+                    model: str | None = None) -> str | None:
         """tool_choice "auto": the text as content, but calls (Hermes' blocks) as tool_calls deltas."""
         content, calls = parser.feed(out.text or "")
         reason = out.finish_reason
@@ -172,10 +174,10 @@ class OpenAIServingChat(OpenAIServing):
         return self._chunk(request_id, created, [ChatCompletionStreamChoice(
             index=out.index, delta=DeltaMessage(content=content or None, tool_calls=calls or None),
             logprobs=self._logprobs(out.token_ids, out.logprobs, top), finish_reason=reason,
-            stop_reason=out.stop_reason)])
+            stop_reason=out.stop_reason)], model=model)
 
-    def _chunk(self, request_id: str, created: int, choices, usage_info=None) -> str:
-        return ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+    def _chunk(self, request_id: str, created: int, choices, usage_info=None, model: str | None = None) -> str:
+        return ChatCompletionStreamResponse(id=request_id, created=created, model=model or self.model_name,
                                             choices=choices, usage=usage_info).model_dump_json()
 
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]] | None,

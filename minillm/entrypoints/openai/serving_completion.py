@@ -80,7 +80,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request):
         received = time.perf_counter()
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         structured = structured_outputs_of(request.response_format, request.structured_outputs)
         params = self.sampling_params(request, structured=structured)
         texts = request.prompts()
@@ -93,16 +93,16 @@ class OpenAIServingCompletion(OpenAIServing):
         marks = {"received": received, "tokenized": time.perf_counter()}
         request_id, created = new_id("cmpl")
         if len(prompts) > INLINE_CHECK_PROMPTS:  # each prompt's check costs: not on the loop everyone shares
-            requests = await asyncio.to_thread(self.check, request_id, prompts, params, "prompt", structured[1])
+            requests = await asyncio.to_thread(self.check, request_id, prompts, params, "prompt", structured[1], lora)
         else:
-            requests = self.check(request_id, prompts, params, "prompt", structured[1])
+            requests = self.check(request_id, prompts, params, "prompt", structured[1], lora)
         if request.stream:
-            return StreamingResponse(self._stream(request_id, created, requests, request.include_usage, marks),
+            return StreamingResponse(self._stream(request_id, created, requests, request.include_usage, marks, lora),
                                      media_type="text/event-stream")
-        choices, generated = gather(await self.collect(requests, raw_request, (request_id, marks)), requests,
+        choices, generated = gather(await self.collect(requests, raw_request, (request_id, marks), lora), requests,
                                     params.n)
         return CompletionResponse(
-            id=request_id, created=created, model=self.model_name,
+            id=request_id, created=created, model=self.served_name(lora),
             usage=usage([len(ids) for _, ids, _ in requests], generated),
             choices=[CompletionResponseChoice(
                 index=i, text="".join(c.text), finish_reason=c.finish_reason, stop_reason=c.stop_reason,
@@ -163,10 +163,11 @@ class OpenAIServingCompletion(OpenAIServing):
         return out
 
     def _stream(self, request_id: str, created: int, requests, include_usage: bool,
-                marks: dict) -> AsyncIterator[str]:
+                marks: dict, lora=None) -> AsyncIterator[str]:
         n = requests[0][2].n
         offsets = [0] * (len(requests) * n)  # text_offset of each choice's next token
-        frame = ChunkFrame("text_completion", request_id, created, self.model_name)
+        name = self.served_name(lora)
+        frame = ChunkFrame("text_completion", request_id, created, name)
 
         def chunk(i: int, out) -> str:
             index, lp = i * n + out.index, None
@@ -175,16 +176,17 @@ class OpenAIServingCompletion(OpenAIServing):
             lp = logprobs(out.token_ids, out.logprobs, offsets[index])
             offsets[index] += sum(len(t) for t in lp.tokens)
             return self._chunk(request_id, created, [CompletionResponseChoice(
-                index=index, text=out.text, logprobs=lp, finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
+                index=index, text=out.text, logprobs=lp, finish_reason=out.finish_reason, stop_reason=out.stop_reason)],
+                model=name)
 
         def last(generated: int) -> str | None:
             prompt_lens = [len(ids) for _, ids, _ in requests]
-            return self._chunk(request_id, created, [], usage(prompt_lens, generated)) if include_usage else None
+            return self._chunk(request_id, created, [], usage(prompt_lens, generated), name) if include_usage else None
 
-        return self.sse_stream(requests, chunk, last, timing=(request_id, marks))
+        return self.sse_stream(requests, chunk, last, timing=(request_id, marks), lora_request=lora)
 
-    def _chunk(self, request_id: str, created: int, choices, usage_info=None) -> str:
-        return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
+    def _chunk(self, request_id: str, created: int, choices, usage_info=None, model: str | None = None) -> str:
+        return CompletionResponse(id=request_id, created=created, model=model or self.model_name, choices=choices,
                                   usage=usage_info).model_dump_json()
 
 

@@ -76,8 +76,11 @@ KEEP_TIMINGS = 1024  # the most recent requests whose path in time GET /debug/ti
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, timings: OrderedDict | None = None):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, timings: OrderedDict | None = None,
+                 lora_modules: dict | None = None):
         self.engine, self.model_name = engine, model_name
+        # `model` name -> LoRARequest (chapter 16); shared by the endpoints, so a runtime load shows in all
+        self.lora_modules = {} if lora_modules is None else lora_modules
         self.timings = OrderedDict() if timings is None else timings  # response id -> record()'s dict
 
     def record(self, request_id: str, marks: dict[str, float], final: RequestOutput | None) -> None:
@@ -98,12 +101,22 @@ class OpenAIServing:
     def tokenizer(self):
         return self.engine.engine.tokenizer
 
-    def check_model(self, model: str | None) -> None:
-        """Is the engine serving, and is `model` its model? (503 / 404 otherwise)"""
+    def check_model(self, model: str | None):
+        """Is the engine serving, and is `model` its model or one of its adapters? (503 / 404 otherwise)
+        -> the adapter's LoRARequest, or None for the base model."""
         self.engine.check_ready()
-        if model is not None and model != self.model_name:  # ascii(): a lone surrogate cannot be UTF-8 encoded
-            raise APIError(404, f"The model {model!a} does not exist; this server serves `{self.model_name}`",
-                           param="model", code="model_not_found")
+        if model is None or model == self.model_name:
+            return None
+        if model in self.lora_modules:
+            return self.lora_modules[model]
+        served = ", ".join(f"`{n}`" for n in (self.model_name, *self.lora_modules))
+        # ascii(): a lone surrogate cannot be UTF-8 encoded
+        raise APIError(404, f"The model {model!a} does not exist; this server serves {served}",
+                       param="model", code="model_not_found")
+
+    def served_name(self, lora_request) -> str:
+        """The `model` an answer names: the adapter's, when the request picked one (as vLLM answers)."""
+        return self.model_name if lora_request is None else lora_request.lora_name
 
     def max_chars(self, tokens: int) -> int | None:
         """The most characters a text of `tokens` tokens can have (None: no such bound): no token covers
@@ -143,10 +156,11 @@ class OpenAIServing:
             raise APIError(400, str(e), param=renames.get(param, param)) from None
 
     def check(self, request_id: str, prompts: list[list[int]], params: SamplingParams, what: str,
-              structured_field: str | None = None) -> list[tuple[str, list[int], SamplingParams]]:
+              structured_field: str | None = None, lora_request=None) -> list[tuple[str, list[int], SamplingParams]]:
         """-> engine requests (id, ids, checked params), one per prompt; or a 400 for the first bad one.
         structured_field: the request field params.structured_outputs came from; a bad grammar's 400
-        names it, with the compiler's reason and position."""
+        names it, with the compiler's reason and position. lora_request: the adapter the `model` field
+        picked (check_model), for every prompt."""
         out = []
         for i, ids in enumerate(prompts):
             name = what if len(prompts) == 1 else f"{what}[{i}]"
@@ -156,7 +170,7 @@ class OpenAIServing:
                 raise APIError(400, str(e), param=what, code="context_length_exceeded") from None
             rid = f"{request_id}-{i}"
             try:
-                _, ids, checked = self.engine.check(rid, {"prompt_token_ids": ids}, params)
+                _, ids, checked = self.engine.check(rid, {"prompt_token_ids": ids}, params, lora_request)
             except (ValueError, TypeError) as e:
                 message = str(e).replace(f"request {rid!r}", name)
                 param = "n" if " n=" in message else _param_of(message)
@@ -169,12 +183,13 @@ class OpenAIServing:
             out.append((rid, ids, checked))
         return out
 
-    async def collect(self, requests, raw_request, timing: tuple[str, dict] | None = None) -> list[RequestOutput]:
+    async def collect(self, requests, raw_request, timing: tuple[str, dict] | None = None,
+                      lora_request=None) -> list[RequestOutput]:
         """Run requests to the end and return every delta, in order. If the client disconnects first,
         abort them (no one would read the answer) and answer 499 (nginx's "client closed request").
         timing: (response id, the handler's marks) to record."""
         async def run():
-            async with aclosing(self.engine.stream(requests)) as deltas:
+            async with aclosing(self.engine.stream(requests, lora_request)) as deltas:
                 return [d async for d in deltas]
 
         task = asyncio.ensure_future(run())
@@ -192,14 +207,14 @@ class OpenAIServing:
             self.record(*timing, next((d for d in deltas if d.finished and d.request_id == requests[0][0]), None))
         return deltas
 
-    def stream(self, requests):
+    def stream(self, requests, lora_request=None):
         """The requests' deltas as they come, in lists (AsyncLLMEngine.stream_batches; use under
         contextlib.aclosing: closing it aborts the rest)."""
-        return self.engine.stream_batches(requests)
+        return self.engine.stream_batches(requests, lora_request)
 
     def sse_stream(self, requests, chunk: Callable[[int, CompletionOutput], str | None],
                    last: Callable[[int], str | None], first: Iterable[str] = (),
-                   timing: tuple[str, dict] | None = None) -> AsyncIterator[str]:
+                   timing: tuple[str, dict] | None = None, lora_request=None) -> AsyncIterator[str]:
         """The SSE body of a streamed answer: the `first` chunks, then chunk(prompt index, output) for every
         output with something to show, then last(tokens generated) (the usage chunk, or None), then
         [DONE]. If the engine fails a request, an error event and [DONE] end the stream (the 200 is sent
@@ -213,7 +228,7 @@ class OpenAIServing:
 
         The requests are queued for the engine now, before the response's headers go out (the
         body is read only after the handler returns): its prefill runs while they are sent."""
-        return self._sse(requests, self.stream(requests), chunk, last, first, timing)
+        return self._sse(requests, self.stream(requests, lora_request), chunk, last, first, timing)
 
     async def _sse(self, requests, stream, chunk, last, first, timing) -> AsyncIterator[str]:
         where = {rid: i for i, (rid, _, _) in enumerate(requests)}
