@@ -16,13 +16,24 @@ The pool of blocks is PagedKVCache's memory; this is its bookkeeping, all on the
     `take_table_changes()`, from which entry, and which were dropped, so the worker can keep its own
     copy of every table and receive only the differences each step (worker/block_table.py).
 
-Block 0 is reserved: padded rows of a CUDA-graph batch point at it, so it is never handed out.
+  * eviction (chapter 15, kv_eviction.py): before a step's slots are made, the entries its policy
+    says no query reads again give their blocks back and point at block 0 instead (sliding windows,
+    StreamingLLM). A sequence holds at most policy.max_blocks(its length) blocks (`blocks_needed`).
+    Prefix caching with eviction: full blocks are named as they fill, as always; once a sequence has
+    evicted entries it names no further block (a block's name is the chain of everything before it,
+    which the sequence no longer holds), so prefix hits reach at most up to where its eviction began.
+    A sequence admitted with hits takes only the hit blocks its policy keeps (the others point at block
+    0 from the start). A sequence with evicted entries is preempted by recompute, never swapped.
+
+Block 0 is reserved: padded rows of a CUDA-graph batch point at it, so it is never handed out, and
+evicted table entries point at it (it is never written: it holds zeros).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from .kv_eviction import NULL_BLOCK, KVEvictionPolicy
 from .prefix_cache import PrefixCache
 from .stats import EngineStats
 
@@ -34,7 +45,7 @@ def cdiv(a: int, b: int) -> int:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
                  prefix_cache: PrefixCache | None = None, stats: EngineStats | None = None,
-                 track_changes: bool = False):
+                 track_changes: bool = False, eviction: KVEvictionPolicy | None = None):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), not {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -51,6 +62,8 @@ class BlockManager:
         self.track_changes = track_changes
         self._changed_from: dict[int, int] = {}  # seq_id -> first table entry changed since the last take
         self._dropped: set[int] = set()  # seq_ids whose table went away (freed, swapped out)
+        self.eviction = eviction
+        self._evicted_upto: dict[int, int] = {}  # seq_id -> entries [eviction.lo, this) point at NULL_BLOCK
 
     # ---- change tracking (chapter 13) ------------------------------------------------------------
 
@@ -96,6 +109,10 @@ class BlockManager:
         return self.num_blocks - 1 - self.num_free_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
+        """Pool blocks a sequence of num_tokens tokens holds at most (all of them, without eviction)."""
+        eviction = getattr(self, "eviction", None)  # (core_process's _Pool borrows this method)
+        if eviction is not None:
+            return eviction.max_blocks(num_tokens)
         return cdiv(num_tokens, self.block_size)
 
     # ---- prefix cache ----------------------------------------------------------------------------
@@ -116,6 +133,8 @@ class BlockManager:
         """Name the full blocks whose K/V are now computed, so later sequences can find them."""
         if self.prefix_cache is not None:
             full = num_computed // self.block_size
+            if seq_id in self._evicted_upto:  # its chain is broken from the policy's lo on
+                full = min(full, self.eviction.lo)
             self.prefix_cache.insert(token_ids, self.block_tables[seq_id][:full])
 
     # ---- allocation ------------------------------------------------------------------------------
@@ -124,6 +143,13 @@ class BlockManager:
         """Make room for tokens [num_tokens - num_new, num_tokens) of a sequence; False (and nothing
         changed) if the pool cannot. computed_blocks: prefix-cache hits, for a sequence's first call."""
         table = self.block_tables.get(seq_id, [])
+        hits_upto = 0  # prefix hits [lo, hits_upto) the policy does not keep
+        if self.eviction is not None and table:  # dead entries go first (even if this call fails: they are dead)
+            self._evict(seq_id, table, num_tokens - num_new)
+        elif self.eviction is not None and computed_blocks:
+            lo, hi = self.eviction.evictable(num_tokens - num_new)
+            hits_upto = min(hi, len(computed_blocks))
+            computed_blocks = [NULL_BLOCK if lo <= i < hi else b for i, b in enumerate(computed_blocks)]
         if num_new == 1 and not computed_blocks:  # the common case, a decode: room in an unshared last block?
             i = (num_tokens - 1) // self.block_size
             if i < len(table) and self.ref_counts[table[i]] == 1:
@@ -131,14 +157,18 @@ class BlockManager:
         if computed_blocks and table:
             raise ValueError(f"sequence {seq_id} already has blocks; prefix hits only start a sequence")
         have = len(table) + len(computed_blocks)
-        new = max(0, self.blocks_needed(num_tokens) - have)
+        new = max(0, cdiv(num_tokens, self.block_size) - have)
         first, last = (num_tokens - num_new) // self.block_size, (num_tokens - 1) // self.block_size
         cow = [i for i in range(first, min(last + 1, len(table))) if self.ref_counts[table[i]] > 1]
-        revived = [b for b in computed_blocks if self.ref_counts[b] == 0]  # evictable now, taken back
+        # evictable now, taken back (NULL_BLOCK: a hit the policy does not keep)
+        revived = [b for b in computed_blocks if b != NULL_BLOCK and self.ref_counts[b] == 0]
         if new + len(cow) + len(revived) > self.num_free_blocks:
             return False
         for b in computed_blocks:
-            self._take(b)
+            if b != NULL_BLOCK:
+                self._take(b)
+        if hits_upto > self.eviction_lo:
+            self._evicted_upto[seq_id] = hits_upto
         table = self.block_tables.setdefault(seq_id, [])
         if computed_blocks or cow or new:
             self._changed(seq_id, min(cow, default=len(table)))
@@ -152,11 +182,28 @@ class BlockManager:
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, self.num_used_blocks)
         return True
 
+    @property
+    def eviction_lo(self) -> int:
+        return self.eviction.lo if self.eviction is not None else 0
+
+    def _evict(self, seq_id: int, table: list[int], start: int) -> None:
+        """The entries no query at position >= start reads give their blocks back (kv_eviction.py)."""
+        lo, hi = self.eviction.evictable(start)
+        hi = min(hi, len(table))
+        first = max(lo, self._evicted_upto.get(seq_id, lo))  # entries before it are null already
+        if first >= hi:
+            return
+        for i in range(first, hi):
+            self._drop(table[i])
+            table[i] = NULL_BLOCK
+        self._evicted_upto[seq_id] = hi
+        self._changed(seq_id, first)
+
     def trim(self, seq_id: int, num_tokens: int) -> None:
         """Give back the blocks past the first num_tokens tokens (chapter 09: slots reserved for draft
         tokens that were rejected; they were never named for the prefix cache)."""
         table = self.block_tables.get(seq_id)
-        keep = self.blocks_needed(num_tokens)
+        keep = cdiv(num_tokens, self.block_size)
         if table is not None and len(table) > keep:
             self._changed(seq_id, keep)
         while table is not None and len(table) > keep:
@@ -166,12 +213,16 @@ class BlockManager:
         """The child shares every block of the parent (copy-on-write later)."""
         table = self.block_tables[parent_id]
         for b in table:
-            self.ref_counts[b] += 1
+            if b != NULL_BLOCK:
+                self.ref_counts[b] += 1
         self.block_tables[child_id] = list(table)
+        if parent_id in self._evicted_upto:
+            self._evicted_upto[child_id] = self._evicted_upto[parent_id]
         self._changed(child_id, 0)
 
     def free(self, seq_id: int) -> None:
         self._gone(seq_id)
+        self._evicted_upto.pop(seq_id, None)
         for b in reversed(self.block_tables.pop(seq_id, [])):  # tail first: the prefix stays cached longest
             self._drop(b)
         for b in self.cpu_tables.pop(seq_id, []):
@@ -193,6 +244,8 @@ class BlockManager:
         self.ref_counts[b] += 1
 
     def _drop(self, b: int) -> None:
+        if b == NULL_BLOCK:  # an evicted entry holds nothing
+            return
         self.ref_counts[b] -= 1
         if self.ref_counts[b] == 0:
             if self.prefix_cache is not None and b in self.prefix_cache:
@@ -203,6 +256,8 @@ class BlockManager:
     # ---- swapping --------------------------------------------------------------------------------
 
     def can_swap_out(self, seq_id: int) -> bool:
+        if seq_id in self._evicted_upto:  # null entries: recompute instead (kv_eviction.py)
+            return False
         return len(self.block_tables.get(seq_id, [])) <= len(self.free_cpu_blocks)
 
     def swap_out(self, seq_id: int) -> list[tuple[int, int]]:

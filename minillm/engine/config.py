@@ -58,6 +58,13 @@ class EngineConfig:
     # "SharedStorageConnector" | "SharedPoolConnector", "kv_role": "producer" | "consumer" | "both",
     # "kv_path": DIR, ...} (distributed/kv_transfer/config.py); None: off
     kv_transfer_config: dict | KVTransferConfig | None = None
+    # KV eviction (chapter 15, engine/kv_eviction.py): "auto" frees the blocks a model whose every layer has
+    # a sliding window will never read again (exact), "sliding" insists on it, "none" keeps every block;
+    # "streaming" (StreamingLLM) keeps the first sink_tokens (whole blocks) and the most recent tokens, up
+    # to kv_budget tokens in all, for unbounded generation in constant memory (an approximation)
+    kv_eviction: str = "auto"
+    sink_tokens: int = 4
+    kv_budget: int | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_batch"):
@@ -90,6 +97,19 @@ class EngineConfig:
         check_choice("structured_outputs_backend", self.structured_outputs_backend, ("minillm", "xgrammar"))
         if self.structured_outputs_backend == "xgrammar":  # not installed: say so before any model loads
             import_xgrammar()
+        check_choice("kv_eviction", self.kv_eviction, ("auto", "none", "sliding", "streaming"))
+        check_int("sink_tokens", self.sink_tokens, 0)
+        check_int("kv_budget", self.kv_budget, optional=True)
+        if self.kv_eviction == "streaming":
+            if self.kv_budget is None:
+                raise ValueError("kv_eviction='streaming' needs kv_budget (tokens kept per sequence)")
+            sink = -(-self.sink_tokens // self.block_size) * self.block_size
+            if self.kv_budget < sink + self.block_size:
+                raise ValueError(f"kv_budget={self.kv_budget} must hold the sink block(s) ({sink} tokens for "
+                                 f"sink_tokens={self.sink_tokens}) and at least one recent block of "
+                                 f"block_size={self.block_size}")
+        elif self.kv_budget is not None:
+            raise ValueError(f"kv_budget is for kv_eviction='streaming', not {self.kv_eviction!r}")
         kv_cache_torch_dtype(self.kv_cache_dtype)  # an unknown name fails here, before any model is touched
         if self.kv_transfer_config is not None:
             self.kv_transfer_config = KVTransferConfig.from_dict(self.kv_transfer_config)

@@ -62,6 +62,7 @@ from ..spec_decode.draft_model import load_draft_model
 from ..worker.model_input import ModelInput
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .kv_eviction import make_kv_eviction
 from .overlap_steps import OverlapSteps, needs_host_sampling
 from .prefix_cache import make_prefix_cache
 from .scheduler import Scheduler, SchedulerOutput
@@ -139,7 +140,8 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         self.engine_stats = EngineStats()  # every counter of the engine's parts, in one object
         self.block_manager = BlockManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
                                           make_prefix_cache(config.enable_prefix_caching, config.block_size),
-                                          self.engine_stats, track_changes=True)  # the worker keeps the tables
+                                          self.engine_stats, track_changes=True,  # the worker keeps the tables
+                                          eviction=make_kv_eviction(config, model.config))
         kv = config.kv_transfer_config  # chapter 17: the scheduler's side of the connector
         if kv is not None and not isinstance(executor, UniprocExecutor):  # each rank holds a slice of the heads
             raise ValueError("kv_transfer_config needs a one-worker engine (tensor_parallel_size=1): a KV connector "

@@ -10,10 +10,13 @@ padded to a token bucket).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..cache.paged import PagedKVCache
 from ..cache.spec import cache_layers
+from ..engine.kv_eviction import compact_tables
 from ..forward_context import set_forward_context
 from ..layers import AttentionMetadata
 from ..layers.backend import get_kernel_mode
@@ -70,6 +73,7 @@ class ModelRunner:
         max_tokens = config.cuda_graph_max_tokens
         self.token_buckets = token_buckets(config.max_num_batched_tokens if max_tokens is None else max_tokens)
         self.max_num_seqs = config.max_num_seqs
+        self.compact_kv = getattr(config, "kv_eviction", None) == "streaming"
         spec = config.speculative_config  # chapter 09: a verify wants logits at 1 + k rows per sequence
         self.logits_per_seq = 1 + spec.num_speculative_tokens if spec is not None else 1
         self._first_layer = cache_layers(model)[0]
@@ -94,6 +98,9 @@ class ModelRunner:
         per sequence, one per draft token). prev_tokens: the previous step's sampled tokens on the
         device, for the rows step.prev_token_dst names (overlap scheduling)."""
         table = self.step_block_table(step)  # first: the table changes must land whatever happens next
+        if self.compact_kv:  # StreamingLLM (chapter 15): the kernels read the kept blocks only
+            table, seq_lens = compact_tables(table, step.seq_lens, self.block_size)
+            step = dataclasses.replace(step, seq_lens=seq_lens)
         self.bind()
         if step.prev_token_dst and prev_tokens is None:
             raise ValueError("this step takes tokens sampled by the previous one, but none were given")

@@ -1,0 +1,138 @@
+"""KV eviction (chapter 15): which of a sequence's KV blocks no query will read again, block by block.
+
+A sequence's block table maps its positions to blocks: entry i holds positions [i * bs, (i + 1) * bs).
+An eviction policy names, for a step whose first new token is at position `start`, the table entries
+[lo, hi) that no query at `start` or later reads. The BlockManager gives those blocks back to the pool
+and puts NULL_BLOCK (block 0, reserved, never written, zeros) in their place, so the table keeps its
+shape: a slot is still table[p // bs] * bs + p % bs, and a position is still the token's own.
+
+  * SlidingWindow(W): every attention layer sees only the last W positions (Mistral; Qwen2/Gemma when
+    every layer slides): the query at `start` reads keys >= start + 1 - W, so the blocks wholly before
+    that go, [0, (start + 1 - W) // bs). Exact: the kernels' own window masks those positions, and
+    they may still *load* a null entry (flash_attn's left-edge tile rounds down to a tile; the torch
+    reference gathers every key and masks the scores): block 0 holds zeros, so a masked score times a
+    zero value adds exactly 0. A model with any full-attention layer keeps every block (`make_kv_eviction`
+    gives no policy: "auto" stays off, "sliding" is refused).
+  * StreamingLLM(sink_tokens, kv_budget) (Xiao et al., 2023): keep the first cdiv(sink_tokens, bs)
+    blocks (the attention sinks) and the R = kv_budget // bs - sink blocks ending with start's block;
+    the ones between go, [sink, start // bs - R + 1). Keys keep the positions they were rotated with (the
+    original ones; the paper re-rotates within the cache instead). The kernels must not see the null
+    entries here (no window masks them): the worker compacts each row of the table, dropping its null
+    entries, and shortens seq_lens by bs per dropped entry (`compact_tables`); the kept keys stay in
+    order and the new tokens last, so the causal mask (queries aligned to the end) is unchanged and each
+    query attends to exactly sinks + recent blocks + the step's own earlier tokens.
+
+Eviction happens between steps (BlockManager.allocate_slots, before a step's slots are made): a prefill
+chunk attends to everything kept at its start and to itself, so a sequence holds at most
+`max_blocks` blocks, which grows with the chunk (max_num_batched_tokens), not with its length.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+NULL_BLOCK = 0  # BlockManager's reserved block: evicted table entries point at it
+KINDS = ("auto", "none", "sliding", "streaming")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVEvictionPolicy:
+    """What the BlockManager asks of a policy."""
+
+    name = ""
+    compacts = False  # True: the kernels must see each table without its null entries (compact_tables)
+    lo = 0  # the first entry the policy may ever evict; entries before it stay (and stay cacheable)
+
+    def __init__(self, block_size: int, max_chunk: int):
+        self.block_size, self.max_chunk = block_size, max_chunk
+
+    def evictable(self, start: int) -> tuple[int, int]:
+        """Table entries [lo, hi) that no query at position >= start reads (hi <= lo: none)."""
+        raise NotImplementedError
+
+    def max_blocks(self, num_tokens: int) -> int:
+        """The most pool blocks a sequence of up to num_tokens tokens holds at once (steps of at most
+        max_chunk new tokens)."""
+        raise NotImplementedError
+
+
+class SlidingWindow(KVEvictionPolicy):
+    name = "sliding"
+
+    def __init__(self, window: int, block_size: int, max_chunk: int):
+        super().__init__(block_size, max_chunk)
+        self.window = window
+
+    def evictable(self, start):
+        return 0, max(0, start + 1 - self.window) // self.block_size
+
+    def max_blocks(self, num_tokens):
+        # a step of n tokens from c holds blocks (c + 1 - W) // bs .. (c + n - 1) // bs
+        held = (self.window + self.max_chunk - 2) // self.block_size + 2
+        return min(cdiv(num_tokens, self.block_size), held)
+
+
+class StreamingLLM(KVEvictionPolicy):
+    name, compacts = "streaming", True
+
+    def __init__(self, sink_tokens: int, kv_budget: int, block_size: int, max_chunk: int):
+        super().__init__(block_size, max_chunk)
+        self.sink_blocks = cdiv(sink_tokens, block_size)
+        self.recent_blocks = kv_budget // block_size - self.sink_blocks
+        if self.recent_blocks < 1:
+            raise ValueError(f"kv_budget={kv_budget} leaves no recent block beside {self.sink_blocks} sink block(s) "
+                             f"of {block_size} tokens: it must be >= {(self.sink_blocks + 1) * block_size}")
+        self.lo = self.sink_blocks
+
+    def evictable(self, start):
+        return self.sink_blocks, start // self.block_size - self.recent_blocks + 1
+
+    def max_blocks(self, num_tokens):
+        held = self.sink_blocks + self.recent_blocks + cdiv(self.max_chunk - 1, self.block_size)
+        return min(cdiv(num_tokens, self.block_size), held)
+
+    def kept(self, start: int, length: int) -> list[int]:
+        """Positions < length a query of the step starting at `start` may read (the oracle's view;
+        positions >= start, the step's own, are all kept)."""
+        bs, (lo, hi) = self.block_size, self.evictable(start)
+        return [p for p in range(length) if p >= start or not lo <= p // bs < hi]
+
+
+def make_kv_eviction(config, model_config) -> KVEvictionPolicy | None:
+    """The engine's policy for this model, or None (every block kept). config: an EngineConfig."""
+    kind = config.kv_eviction
+    windows = list(model_config.sliding_windows)
+    all_windowed = bool(windows) and None not in windows
+    spec = config.speculative_config
+    draft = spec is not None and spec.method == "draft_model"  # its layers attend to every key of the table
+    bs, chunk = config.block_size, config.max_num_batched_tokens
+    if kind == "none" or (kind == "auto" and (not all_windowed or draft)):
+        return None
+    if draft:
+        raise ValueError(f"kv_eviction={kind!r} cannot share its block tables with a draft model "
+                         "(speculative_config method 'draft_model'): use 'none'")
+    if kind in ("auto", "sliding"):
+        if not all_windowed:
+            raise ValueError(f"kv_eviction='sliding' needs a sliding window on every attention layer; this model's "
+                             f"sliding_windows are {windows} (a full-attention layer reads every block)")
+        return SlidingWindow(max(windows), bs, chunk)
+    if any(w is not None for w in windows):  # compaction would shift a window's distances
+        raise ValueError(f"kv_eviction='streaming' needs full-attention layers; this model's sliding_windows are "
+                         f"{windows} (use 'sliding')")
+    return StreamingLLM(config.sink_tokens, config.kv_budget, bs, chunk)
+
+
+def compact_tables(table, seq_lens: list[int], block_size: int) -> tuple[np.ndarray, list[int]]:
+    """Each row of a [B, W] block table without its null entries (kept order), and each sequence's
+    key count less block_size per null entry within its length: what the kernels read for StreamingLLM.
+    Rows are padded with NULL_BLOCK past their new length, as before."""
+    t = np.asarray(table, dtype=np.int32).reshape(len(seq_lens), -1)  # [B, W]
+    lens = np.asarray(seq_lens, dtype=np.int64)  # [B]
+    used = np.arange(t.shape[1])[None, :] < -(-lens[:, None] // block_size)  # [B, W] entries within the length
+    null = used & (t == NULL_BLOCK)
+    order = np.argsort(null | ~used, axis=1, kind="stable")  # kept entries first, in order
+    out = np.take_along_axis(np.where(used & ~null, t, NULL_BLOCK), order, axis=1)
+    return out, (lens - block_size * null.sum(axis=1)).tolist()
