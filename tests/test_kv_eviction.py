@@ -152,13 +152,16 @@ def test_block_manager_sliding_bookkeeping():
 
 # ---- the kernels read nothing from a null entry ----------------------------------------------------
 
+@pytest.mark.parametrize("triton", [False, True])
 @pytest.mark.parametrize("decode", [True, False])
-def test_null_entries_before_the_window_change_nothing(decode):
-    """The torch references (what the CPU runs) with entries before the window pointed at a zero block
-    equal the same attention over the full table; the Triton kernels are the same code path's twin
-    (tests/test_kernels_attention.py compares them to these references)."""
+def test_null_entries_before_the_window_change_nothing(decode, triton):
+    """The attention the layers run (the torch references on a CPU, the Triton kernels, here interpreted)
+    with entries before the window pointed at block 0 (zeros, never written) equals the same attention
+    over the full table, exactly. flash_decode never loads a key before the window; flash_attn's left-edge
+    tile does (it rounds down to a tile) and the torch reference gathers every key: the window masks their
+    scores, and a masked score times block 0's zero value adds exactly 0."""
     g = torch.Generator().manual_seed(0)
-    bs, Hq, Hkv, D, L = 4, 4, 2, 8, 23
+    bs, Hq, Hkv, D, L = 4, 4, 2, 16, 23
     nblk = -(-L // bs)
     k_cache = torch.randn(2 + nblk, bs, Hkv, D, generator=g)
     v_cache = torch.randn(2 + nblk, bs, Hkv, D, generator=g)
@@ -172,14 +175,16 @@ def test_null_entries_before_the_window_change_nothing(decode):
     q = torch.randn(nq, Hq, D, generator=g)
     seq_lens = torch.tensor([L], dtype=torch.int32)
     if decode:
-        def attend(t):
-            return flash_decode.flash_decode_ref(q, k_cache, v_cache, seq_lens, t, sliding_window=W)
-    else:
-        cu = torch.tensor([0, nq], dtype=torch.int32)
+        fn = flash_decode.flash_decode if triton else flash_decode.flash_decode_ref
 
         def attend(t):
-            return flash_attn.flash_attn_varlen_ref(q, k_cache, v_cache, cu, nq, seqused_k=seq_lens,
-                                                    block_table=t, sliding_window=W)
+            return fn(q, k_cache, v_cache, seq_lens, t, sliding_window=W)
+    else:
+        cu = torch.tensor([0, nq], dtype=torch.int32)
+        fn = flash_attn.flash_attn_varlen if triton else flash_attn.flash_attn_varlen_ref
+
+        def attend(t):
+            return fn(q, k_cache, v_cache, cu, nq, seqused_k=seq_lens, block_table=t, sliding_window=W)
     torch.testing.assert_close(attend(evicted), attend(full), rtol=0, atol=0)
 
 
@@ -200,12 +205,13 @@ def dense_sink_window(q, k, v, q_pos, kept):
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
+@pytest.mark.parametrize("triton", [False, True])
 @pytest.mark.parametrize("nq", [1, 5])
-def test_streaming_attention_matches_dense_reference(nq):
+def test_streaming_attention_matches_dense_reference(nq, triton):
     """Random K/V in a paged cache, the middle blocks evicted: the compacted table through the engine's
     attention (the decode and prefill references) equals dense attention over sinks + recent keys."""
     g = torch.Generator().manual_seed(nq)
-    bs, Hq, Hkv, D, L = 4, 4, 2, 8, 41
+    bs, Hq, Hkv, D, L = 4, 4, 2, 16, 41
     pol = StreamingLLM(sink_tokens=4, kv_budget=16, block_size=bs, max_chunk=8)
     nblk = -(-L // bs)
     k = torch.randn(L, Hkv, D, generator=g)
@@ -221,9 +227,9 @@ def test_streaming_attention_matches_dense_reference(nq):
     t, lens = torch.as_tensor(t), torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(nq, Hq, D, generator=g)
     if nq == 1:
-        out = flash_decode.flash_decode_ref(q, k_cache, v_cache, lens, t)
+        out = (flash_decode.flash_decode if triton else flash_decode.flash_decode_ref)(q, k_cache, v_cache, lens, t)
     else:
-        out = flash_attn.flash_attn_varlen_ref(q, k_cache, v_cache, torch.tensor([0, nq], dtype=torch.int32), nq,
+        out = (flash_attn.flash_attn_varlen if triton else flash_attn.flash_attn_varlen_ref)(q, k_cache, v_cache, torch.tensor([0, nq], dtype=torch.int32), nq,
                                                seqused_k=lens, block_table=t)
     kept = pol.kept(start, L)
     assert len(kept) < L and kept[:4] == [0, 1, 2, 3]
