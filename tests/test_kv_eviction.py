@@ -77,7 +77,8 @@ def test_sliding_window_frees_blocks_same_tokens(prefix):
     got, engine = run(model, ps, 48, **common)  # "auto": every layer has a window
     assert got == want
     assert engine.block_manager.eviction is not None
-    assert engine.block_manager.peak_used <= len(ps) * (-(-W // BS) + 2) < full.block_manager.peak_used
+    named = 3 if prefix == "radix" else 0  # radix: a sequence's named blocks (at most 3 here) stay held
+    assert engine.block_manager.peak_used <= len(ps) * (-(-W // BS) + 2 + named) < full.block_manager.peak_used
 
 
 def test_sliding_window_under_preemption():

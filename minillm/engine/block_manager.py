@@ -18,12 +18,14 @@ The pool of blocks is PagedKVCache's memory; this is its bookkeeping, all on the
 
   * eviction (chapter 15, kv_eviction.py): before a step's slots are made, the entries its policy
     says no query reads again give their blocks back and point at block 0 instead (sliding windows,
-    StreamingLLM). A sequence holds at most policy.max_blocks(its length) blocks (`blocks_needed`).
+    StreamingLLM). A sequence holds at most policy.max_blocks(its length) blocks (`max_blocks_held`).
     Prefix caching with eviction: full blocks are named as they fill, as always; once a sequence has
     evicted entries it names no further block (a block's name is the chain of everything before it,
     which the sequence no longer holds), so prefix hits reach at most up to where its eviction began.
     A sequence admitted with hits takes only the hit blocks its policy keeps (the others point at block
-    0 from the start). A sequence with evicted entries is preempted by recompute, never swapped.
+    0 from the start). With the radix cache, named blocks are not given back before the sequence ends
+    (a tree node may only be unused if its subtree is) and hits are taken whole, so the bound grows by
+    the named blocks a sequence holds. A sequence with evicted entries is preempted by recompute, never swapped.
 
 Block 0 is reserved: padded rows of a CUDA-graph batch point at it, so it is never handed out, and
 evicted table entries point at it (it is never written: it holds zeros).
@@ -34,7 +36,7 @@ from __future__ import annotations
 from collections import deque
 
 from .kv_eviction import NULL_BLOCK, KVEvictionPolicy
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, RadixPrefixCache
 from .stats import EngineStats
 
 
@@ -109,7 +111,12 @@ class BlockManager:
         return self.num_blocks - 1 - self.num_free_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
-        """Pool blocks a sequence of num_tokens tokens holds at most (all of them, without eviction)."""
+        """Table entries of a sequence of num_tokens tokens (evicted ones included)."""
+        return cdiv(num_tokens, self.block_size)
+
+    def max_blocks_held(self, num_tokens: int) -> int:
+        """Pool blocks a sequence of up to num_tokens tokens holds at once: all of its table's, unless its
+        eviction policy gives some back (check_request's "can it ever fit")."""
         eviction = getattr(self, "eviction", None)  # (core_process's _Pool borrows this method)
         if eviction is not None:
             return eviction.max_blocks(num_tokens)
@@ -146,7 +153,7 @@ class BlockManager:
         hits_upto = 0  # prefix hits [lo, hits_upto) the policy does not keep
         if self.eviction is not None and table:  # dead entries go first (even if this call fails: they are dead)
             self._evict(seq_id, table, num_tokens - num_new)
-        elif self.eviction is not None and computed_blocks:
+        elif self.eviction is not None and computed_blocks and not isinstance(self.prefix_cache, RadixPrefixCache):
             lo, hi = self.eviction.evictable(num_tokens - num_new)
             hits_upto = min(hi, len(computed_blocks))
             computed_blocks = [NULL_BLOCK if lo <= i < hi else b for i, b in enumerate(computed_blocks)]
@@ -157,7 +164,7 @@ class BlockManager:
         if computed_blocks and table:
             raise ValueError(f"sequence {seq_id} already has blocks; prefix hits only start a sequence")
         have = len(table) + len(computed_blocks)
-        new = max(0, cdiv(num_tokens, self.block_size) - have)
+        new = max(0, self.blocks_needed(num_tokens) - have)
         first, last = (num_tokens - num_new) // self.block_size, (num_tokens - 1) // self.block_size
         cow = [i for i in range(first, min(last + 1, len(table))) if self.ref_counts[table[i]] > 1]
         # evictable now, taken back (NULL_BLOCK: a hit the policy does not keep)
@@ -193,7 +200,12 @@ class BlockManager:
         first = max(lo, self._evicted_upto.get(seq_id, lo))  # entries before it are null already
         if first >= hi:
             return
+        keep_named = isinstance(self.prefix_cache, RadixPrefixCache)
         for i in range(first, hi):
+            # A radix tree counts an unused node as evictable only if its subtree is unused too: a named
+            # block stays held (its K/V masked, not freed) until the sequence lets go of its named children.
+            if keep_named and table[i] in self.prefix_cache:
+                continue
             self._drop(table[i])
             table[i] = NULL_BLOCK
         self._evicted_upto[seq_id] = hi
@@ -203,7 +215,7 @@ class BlockManager:
         """Give back the blocks past the first num_tokens tokens (chapter 09: slots reserved for draft
         tokens that were rejected; they were never named for the prefix cache)."""
         table = self.block_tables.get(seq_id)
-        keep = cdiv(num_tokens, self.block_size)
+        keep = self.blocks_needed(num_tokens)
         if table is not None and len(table) > keep:
             self._changed(seq_id, keep)
         while table is not None and len(table) > keep:

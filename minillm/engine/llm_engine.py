@@ -189,7 +189,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"request {request_id!r} asks for n={params.n} sequences, but the engine runs at most "
                              f"max_num_seqs={self.config.max_num_seqs} at once; lower n or raise max_num_seqs")
-        need, have = self.block_manager.blocks_needed(longest), self.block_manager.num_blocks - 1
+        need, have = self.block_manager.max_blocks_held(longest), self.block_manager.num_blocks - 1
         if need > have:
             raise ValueError(f"request {request_id!r} may grow to {longest} tokens = {need} KV blocks, but the pool "
                              f"has {have}; lower max_tokens or give the engine more blocks")

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from ..distributed.kv_transfer import KVConnectorBase, KVConnectorMetadata, KVTransferError
 from ..sequence import Sequence, SequenceStatus
-from .block_manager import BlockManager, cdiv
+from .block_manager import BlockManager
 from .config import EngineConfig
 from .waiting_queue import WaitingQueue
 
@@ -229,7 +229,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # its blocks come back, plus any the next n tokens start (exactly: a spare block would make a
             # sequence that needs the whole pool wait forever once everyone else is swapped out too)
-            need = max(len(self.bm.cpu_tables[seq.seq_id]), cdiv(seq.num_computed_tokens + n, self.bm.block_size))
+            need = max(len(self.bm.cpu_tables[seq.seq_id]), self.bm.blocks_needed(seq.num_computed_tokens + n))
             if need > self.bm.num_free_blocks:
                 break
             self.swapped.pop(0)
