@@ -29,9 +29,17 @@ chunk attends to everything kept at its start and to itself, so a sequence holds
 
 from __future__ import annotations
 
-import numpy as np
+from ..worker.kv_compaction import NULL_BLOCK, compact_tables
 
-NULL_BLOCK = 0  # BlockManager's reserved block: evicted table entries point at it
+__all__ = [
+    "KINDS",
+    "NULL_BLOCK",
+    "KVEvictionPolicy",
+    "SlidingWindow",
+    "StreamingLLM",
+    "compact_tables",
+    "make_kv_eviction",
+]
 KINDS = ("auto", "none", "sliding", "streaming")
 
 
@@ -124,15 +132,3 @@ def make_kv_eviction(config, model_config) -> KVEvictionPolicy | None:
                          f"{windows} (use 'sliding')")
     return StreamingLLM(config.sink_tokens, config.kv_budget, bs, chunk)
 
-
-def compact_tables(table, seq_lens: list[int], block_size: int) -> tuple[np.ndarray, list[int]]:
-    """Each row of a [B, W] block table without its null entries (kept order), and each sequence's
-    key count less block_size per null entry within its length: what the kernels read for StreamingLLM.
-    Rows are padded with NULL_BLOCK past their new length, as before."""
-    t = np.asarray(table, dtype=np.int32).reshape(len(seq_lens), -1)  # [B, W]
-    lens = np.asarray(seq_lens, dtype=np.int64)  # [B]
-    used = np.arange(t.shape[1])[None, :] < -(-lens[:, None] // block_size)  # [B, W] entries within the length
-    null = used & (t == NULL_BLOCK)
-    order = np.argsort(null | ~used, axis=1, kind="stable")  # kept entries first, in order
-    out = np.take_along_axis(np.where(used & ~null, t, NULL_BLOCK), order, axis=1)
-    return out, (lens - block_size * null.sum(axis=1)).tolist()

@@ -16,13 +16,13 @@ import torch
 
 from ..cache.paged import PagedKVCache
 from ..cache.spec import cache_layers
-from ..engine.kv_eviction import compact_tables
 from ..forward_context import set_forward_context
 from ..layers import AttentionMetadata
 from ..layers.backend import get_kernel_mode
 from ..layers.quantization.kv_cache import ensure_kv_scales
 from .block_table import PersistentBlockTable
 from .cuda_graphs import StepGraphs, cuda_graph_sizes, token_buckets
+from .kv_compaction import compact_tables
 from .model_input import ModelInput
 
 
