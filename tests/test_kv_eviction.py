@@ -4,12 +4,14 @@ StreamingLLM keeps sinks + recent blocks; each against an oracle that keeps ever
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from minillm.bench.serving_setup import NoTextTokenizer
+from minillm.cache.spec import KVCacheSpec
 from minillm.config import ModelConfig
 from minillm.engine import EngineConfig, LLMEngine
 from minillm.engine.block_manager import BlockManager
@@ -22,8 +24,11 @@ from minillm.engine.kv_eviction import (
 )
 from minillm.engine.prefix_cache import HashPrefixCache
 from minillm.kernels import flash_attn, flash_decode
+from minillm.kernels.rotary import apply_rotary_ref
+from minillm.layers.rotary_embedding import RotaryEmbedding
 from minillm.loader import load_model
 from minillm.sampling import SamplingParams
+from minillm.worker.kv_compaction import SinkRotation, reserved_sink_blocks
 
 _MODELS: dict = {}
 
@@ -193,8 +198,8 @@ def test_null_entries_before_the_window_change_nothing(decode, triton):
 
 def test_compact_tables():
     table = np.array([[3, 0, 0, 7, 8, 0], [5, 6, 0, 0, 0, 0]], dtype=np.int32)
-    out, lens = compact_tables(table, [18, 7], 4)  # row 0: 5 entries in use, 2 of them null
-    assert out.tolist() == [[3, 7, 8, 0, 0, 0], [5, 6, 0, 0, 0, 0]] and lens == [10, 7]
+    out, lens, evicted = compact_tables(table, [18, 7], 4)  # row 0: 5 entries in use, 2 of them null
+    assert out.tolist() == [[3, 7, 8, 0, 0, 0], [5, 6, 0, 0, 0, 0]] and lens == [10, 7] and evicted == [8, 0]
 
 
 def dense_sink_window(q, k, v, q_pos, kept):
@@ -224,7 +229,7 @@ def test_streaming_attention_matches_dense_reference(nq, triton):
     start = L - nq
     lo, hi = pol.evictable(start)
     table = [NULL_BLOCK if lo <= i < hi else int(b) for i, b in enumerate(blocks)]
-    t, lens = compact_tables([table], [L], bs)
+    t, lens, _ = compact_tables([table], [L], bs)
     t, lens = torch.as_tensor(t), torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(nq, Hq, D, generator=g)
     if nq == 1:
@@ -282,3 +287,89 @@ def test_streaming_unbounded_generation_constant_memory():
     got, engine = run(model, prompts(random.Random(5), [5]), 1000, block_size=BS, num_gpu_blocks=6,
                       kv_eviction="streaming", sink_tokens=4, kv_budget=16, max_num_batched_tokens=4)
     assert len(got[0]) == 1000 and engine.block_manager.peak_used <= 5
+
+
+# ---- 2b. StreamingLLM positions: the original ones, or places within the cache (kv_positions) ------
+
+def rope_attention_reference(q0, k0, v, q_pos, k_pos, kept_len):
+    """Plain attention with RoPE applied here: pre-RoPE queries q0 [nq, Hq, D] at positions q_pos and
+    keys k0 / values v [K, Hkv, D] at k_pos; query i sees keys 0 .. kept_len - nq + i (in list order)."""
+    rope = RotaryEmbedding(q0.shape[-1], 256, 10000.0)
+    q = apply_rotary_ref(q0, q0, *rope.cos_sin(torch.tensor(q_pos), torch.float32))[0]
+    k = apply_rotary_ref(k0, k0, *rope.cos_sin(torch.tensor(k_pos), torch.float32))[1]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [K, Hq, D]
+    s = torch.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5  # [Hq, nq, K]
+    last = kept_len - len(q_pos) + torch.arange(len(q_pos))  # [nq] each query's own index among the keys
+    s = s.masked_fill(torch.arange(k.shape[0])[None, None, :] > last[None, :, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+@pytest.mark.parametrize("positions", ["original", "cache"])
+@pytest.mark.parametrize("triton", [False, True])
+@pytest.mark.parametrize("nq", [1, 5])
+def test_streaming_positions_attention_matches_reference(positions, triton, nq):
+    """Pre-RoPE K/V of 41 positions; the engine's path: keys rotated at their own positions into a paged
+    pool, the middle blocks evicted, the table compacted and (kv_positions='cache') the sinks' rotated
+    copies made by SinkRotation, through the attention kernels, equals plain attention over the kept
+    tokens with RoPE at their original positions, or at their places 0, 1, 2, ... among the kept tokens
+    (the paper's). The two references differ: the test tells the modes apart."""
+    g = torch.Generator().manual_seed(nq + 7)
+    bs, Hq, Hkv, D, L, rows = 4, 4, 2, 16, 41, 3
+    pol = StreamingLLM(sink_tokens=6, kv_budget=20, block_size=bs, max_chunk=8)  # 2 sink blocks, 3 recent
+    nblk = -(-L // bs)
+    q0, k0, v = (torch.randn(n, h, D, generator=g) for n, h in ((nq, Hq), (L, Hkv), (L, Hkv)))
+    rope = RotaryEmbedding(D, 256, 10000.0)
+    k = apply_rotary_ref(k0, k0, *rope.cos_sin(torch.arange(L), torch.float32))[1]  # as the model writes them
+    q = apply_rotary_ref(q0, q0, *rope.cos_sin(torch.arange(L - nq, L), torch.float32))[0]
+    reserved = reserved_sink_blocks(pol.sink_blocks, rows)
+    blocks = torch.randperm(nblk, generator=g) + 1
+    k_cache, v_cache = torch.zeros(nblk + 1 + reserved, bs, Hkv, D), torch.zeros(nblk + 1 + reserved, bs, Hkv, D)
+    for p in range(L):
+        k_cache[blocks[p // bs], p % bs], v_cache[blocks[p // bs], p % bs] = k[p], v[p]
+    start = L - nq
+    lo, hi = pol.evictable(start)
+    table = [NULL_BLOCK if lo <= i < hi else int(b) for i, b in enumerate(blocks)]
+    t, lens, evicted = compact_tables([table], [L], bs)
+    assert evicted[0] == (hi - lo) * bs > 0
+    if positions == "cache":  # our sequence in batch row 2 of 3: its copies go to that row's blocks
+        cache = SimpleNamespace(k_caches=[k_cache], v_caches=[v_cache], num_blocks=k_cache.shape[0],
+                                specs=[KVCacheSpec(Hkv, D, torch.float32)])
+        rot = SinkRotation(torch.nn.Sequential(rope), cache, pol.sink_blocks, rows)
+        t3 = rot.apply(np.concatenate([t, t, t]), [0, 0, evicted[0]])
+        assert (t3[:2] == t).all() and t3[2, :2].tolist() == [nblk + 1 + 4, nblk + 1 + 5]
+        t = t3[2:]
+        assert torch.equal(k_cache[int(blocks[0])], k[:bs])  # the originals stay as written (shared)
+    t, lens = torch.as_tensor(t), torch.tensor(lens, dtype=torch.int32)
+    if nq == 1:
+        out = (flash_decode.flash_decode if triton else flash_decode.flash_decode_ref)(q, k_cache, v_cache, lens, t)
+    else:
+        fn = flash_attn.flash_attn_varlen if triton else flash_attn.flash_attn_varlen_ref
+        out = fn(q, k_cache, v_cache, torch.tensor([0, nq], dtype=torch.int32), nq, seqused_k=lens, block_table=t)
+    kept = pol.kept(start, L)
+    by_original = rope_attention_reference(q0, k0[kept], v[kept], list(range(start, L)), kept, len(kept))
+    in_cache = list(range(len(kept)))
+    by_cache = rope_attention_reference(q0, k0[kept], v[kept], in_cache[-nq:], in_cache, len(kept))
+    assert (by_original - by_cache).abs().max() > 1e-2
+    torch.testing.assert_close(out, by_original if positions == "original" else by_cache, rtol=1e-4, atol=1e-5)
+
+
+def test_streaming_cache_positions_engine():
+    """kv_positions='cache' through the engine: batched = alone; with no sinks it is the original
+    positions exactly (only the sinks move); with sinks it is not; the rotated copies' blocks are never
+    handed out. Bad values are refused, naming the field."""
+    model = tiny((None, None))
+    ps = prompts(random.Random(6), [6, 3, 9])
+    cfg = dict(block_size=BS, num_gpu_blocks=64, kv_eviction="streaming", kv_budget=16, max_num_seqs=4)
+    got, engine = run(model, ps, 30, sink_tokens=4, kv_positions="cache", **cfg)
+    assert engine.block_manager.num_blocks == 64 - 4  # one sink block x max_num_seqs kept by the worker
+    assert got[1] == run(model, ps[1:2], 30, sink_tokens=4, kv_positions="cache", **cfg)[0][0]
+    assert got != run(model, ps, 30, sink_tokens=4, **cfg)[0]
+    no_sinks = dict(cfg, sink_tokens=0)
+    assert run(model, ps, 30, kv_positions="cache", **no_sinks)[0] == run(model, ps, 30, **no_sinks)[0]
+    for bad, match in [(dict(kv_positions="cache"), "kv_positions='cache' is for kv_eviction='streaming'"),
+                       (dict(kv_positions="rope"), "kv_positions")]:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(**bad)
+    with pytest.raises(ValueError, match="num_gpu_blocks=5"):
+        run(model, ps, 2, **dict(cfg, num_gpu_blocks=5, sink_tokens=4, kv_positions="cache"))

@@ -61,10 +61,13 @@ class EngineConfig:
     # KV eviction (chapter 15, engine/kv_eviction.py): "auto" frees the blocks a model whose every layer has
     # a sliding window will never read again (exact), "sliding" insists on it, "none" keeps every block;
     # "streaming" (StreamingLLM) keeps the first sink_tokens (whole blocks) and the most recent tokens, up
-    # to kv_budget tokens in all, for unbounded generation in constant memory (an approximation)
+    # to kv_budget tokens in all, for unbounded generation in constant memory (an approximation).
+    # kv_positions (streaming only): "original" scores a kept key at the position it was written at, "cache"
+    # at its place among the kept tokens, as the paper does (worker/kv_compaction.py SinkRotation)
     kv_eviction: str = "auto"
     sink_tokens: int = 4
     kv_budget: int | None = None
+    kv_positions: str = "original"
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_batch"):
@@ -110,6 +113,9 @@ class EngineConfig:
                                  f"block_size={self.block_size}")
         elif self.kv_budget is not None:
             raise ValueError(f"kv_budget is for kv_eviction='streaming', not {self.kv_eviction!r}")
+        check_choice("kv_positions", self.kv_positions, ("original", "cache"))
+        if self.kv_positions == "cache" and self.kv_eviction != "streaming":
+            raise ValueError(f"kv_positions='cache' is for kv_eviction='streaming', not {self.kv_eviction!r}")
         kv_cache_torch_dtype(self.kv_cache_dtype)  # an unknown name fails here, before any model is touched
         if self.kv_transfer_config is not None:
             self.kv_transfer_config = KVTransferConfig.from_dict(self.kv_transfer_config)

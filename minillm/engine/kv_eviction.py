@@ -29,7 +29,7 @@ chunk attends to everything kept at its start and to itself, so a sequence holds
 
 from __future__ import annotations
 
-from ..worker.kv_compaction import NULL_BLOCK, compact_tables
+from ..worker.kv_compaction import NULL_BLOCK, compact_tables, reserved_sink_blocks
 
 __all__ = [
     "KINDS",
@@ -132,3 +132,10 @@ def make_kv_eviction(config, model_config) -> KVEvictionPolicy | None:
                          f"{windows} (use 'sliding')")
     return StreamingLLM(config.sink_tokens, config.kv_budget, bs, chunk)
 
+
+def reserved_blocks(config) -> int:
+    """The last pool blocks the worker keeps for itself, never handed out by the block manager: the
+    rotated sink copies of kv_positions='cache' (worker/kv_compaction.py SinkRotation)."""
+    if config.kv_eviction != "streaming" or config.kv_positions != "cache":
+        return 0
+    return reserved_sink_blocks(cdiv(config.sink_tokens, config.block_size), config.max_num_seqs)

@@ -62,7 +62,7 @@ from ..spec_decode.draft_model import load_draft_model
 from ..worker.model_input import ModelInput
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .kv_eviction import make_kv_eviction
+from .kv_eviction import make_kv_eviction, reserved_blocks
 from .overlap_steps import OverlapSteps, needs_host_sampling
 from .prefix_cache import make_prefix_cache
 from .scheduler import Scheduler, SchedulerOutput
@@ -138,7 +138,11 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         executor.initialize_cache(num_gpu_blocks, num_cpu_blocks, progress)
         self.sizes = executor.sizes
         self.engine_stats = EngineStats()  # every counter of the engine's parts, in one object
-        self.block_manager = BlockManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
+        reserved = reserved_blocks(config)  # the worker's own blocks at the pool's end (chapter 15)
+        if num_gpu_blocks - reserved < 2:
+            raise ValueError(f"num_gpu_blocks={num_gpu_blocks} leaves no room beside the {reserved} blocks "
+                             f"kv_positions='cache' keeps for rotated sinks (sink blocks x max_num_seqs)")
+        self.block_manager = BlockManager(num_gpu_blocks - reserved, config.block_size, num_cpu_blocks,
                                           make_prefix_cache(config.enable_prefix_caching, config.block_size),
                                           self.engine_stats, track_changes=True,  # the worker keeps the tables
                                           eviction=make_kv_eviction(config, model.config))

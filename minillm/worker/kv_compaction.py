@@ -12,19 +12,83 @@ tokens. (This file is the worker's side; the engine's policy imports it, never t
 from __future__ import annotations
 
 import numpy as np
+import torch
+
+from ..layers.rotary_embedding import RotaryEmbedding
 
 NULL_BLOCK = 0  # BlockManager's reserved block: evicted table entries point at it (zeros, never written)
 
 
-def compact_tables(table, seq_lens: list[int], block_size: int) -> tuple[np.ndarray, list[int]]:
-    """Each row of a [B, W] block table without its null entries (kept order), and each sequence's
-    key count less block_size per null entry within its length: what the kernels read for StreamingLLM.
-    Rows are padded with NULL_BLOCK past their new length, as before."""
+def compact_tables(table, seq_lens: list[int], block_size: int) -> tuple[np.ndarray, list[int], list[int]]:
+    """Each row of a [B, W] block table without its null entries (kept order), each sequence's key
+    count less block_size per null entry within its length (what the kernels read for StreamingLLM),
+    and those evicted tokens per row. Rows are padded with NULL_BLOCK past their new length, as before."""
     t = np.asarray(table, dtype=np.int32).reshape(len(seq_lens), -1)  # [B, W]
     lens = np.asarray(seq_lens, dtype=np.int64)  # [B]
     used = np.arange(t.shape[1])[None, :] < -(-lens[:, None] // block_size)  # [B, W] entries within the length
     null = used & (t == NULL_BLOCK)
     order = np.argsort(null | ~used, axis=1, kind="stable")  # kept entries first, in order
     out = np.take_along_axis(np.where(used & ~null, t, NULL_BLOCK), order, axis=1)
-    return out, (lens - block_size * null.sum(axis=1)).tolist()
+    evicted = block_size * null.sum(axis=1)  # [B]
+    return out, (lens - evicted).tolist(), evicted.tolist()
 
+
+class SinkRotation:
+    """StreamingLLM with positions within the cache (kv_positions="cache"; the paper's choice).
+
+    The paper numbers the kept tokens 0, 1, 2, ... as they sit in the cache: with sinks [0, 4) and
+    recent tokens [20, 28) kept, the query at 28 sits at cache position 12 and the key at 20 at 4. RoPE
+    makes a score depend only on the two positions' difference, so only the differences matter: a query
+    and a recent key differ by the same amount in either numbering (the recent tokens are contiguous), a
+    query and a sink key by E less in the cache's (E: the tokens evicted between them). So the cache's
+    numbering is reached by moving the sinks E positions forward and nothing else: queries and recent
+    keys keep the positions they were rotated with.
+
+    The pool's sink blocks are shared (prefix caching) and stay as written; each step, each sequence with
+    E > 0 gets a rotated copy of them in blocks of its own, and its compacted table points at the copy:
+    k' = R(E) k (rotations compose: a key rotated to n, rotated by E more, is the key rotated to n + E),
+    v' = v. The copy is remade from the originals every step, so no rounding accumulates. The copies live
+    in the last sink_blocks * max_num_seqs blocks of the pool, `sink_blocks` per batch row, which the
+    block manager never hands out (LLMEngine gives it a pool that much smaller)."""
+
+    def __init__(self, model, cache, sink_blocks: int, max_num_seqs: int):
+        if any(not spec.has_v or spec.has_scales for spec in cache.specs):
+            raise ValueError("kv_positions='cache' rotates cached keys: it needs a K and V cache in a float dtype "
+                             "(not MLA's latent, not a quantized kv_cache_dtype); use kv_positions='original'")
+        rotaries = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+        if len(rotaries) != 1:
+            raise ValueError(f"kv_positions='cache' needs a model with one RoPE table, this one has {len(rotaries)}")
+        self.rotary, self.cache, self.sink_blocks = rotaries[0], cache, sink_blocks
+        self.first = cache.num_blocks - reserved_sink_blocks(sink_blocks, max_num_seqs)
+
+    def apply(self, table: np.ndarray, evicted: list[int]) -> np.ndarray:
+        """table: a compacted [B, W] table (sinks first); evicted: E per row. -> the table whose rows with
+        E > 0 point at freshly rotated copies of their sink blocks."""
+        sb = self.sink_blocks
+        rows = [i for i, e in enumerate(evicted) if e > 0]
+        if not rows or sb == 0:
+            return table
+        table = table.copy()
+        device = self.cache.k_caches[0].device
+        src = torch.as_tensor(table[rows, :sb].reshape(-1), dtype=torch.long, device=device)  # [R * sb]
+        dst = self.first + (torch.tensor(rows)[:, None] * sb + torch.arange(sb)[None, :]).reshape(-1)  # [R * sb]
+        shift = torch.tensor([evicted[i] for i in rows], device=device).repeat_interleave(sb)  # [R * sb]
+        to = dst.to(device)
+        for k_cache, v_cache in zip(self.cache.k_caches, self.cache.v_caches):
+            cos, sin = self.rotary.cos_sin(shift, k_cache.dtype)  # [R * sb, 1, D] each
+            k = k_cache[src]  # [R * sb, bs, Hkv, D]
+            k_cache[to] = k * cos[:, None] + rotate_half(k) * sin[:, None]
+            v_cache[to] = v_cache[src]
+        table[rows, :sb] = dst.view(len(rows), sb).numpy()
+        return table
+
+
+def reserved_sink_blocks(sink_blocks: int, max_num_seqs: int) -> int:
+    """Pool blocks SinkRotation keeps for its copies (the last ones)."""
+    return sink_blocks * max_num_seqs
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [-x2, x1]: RoPE's "rotate half" layout (layers/rotary_embedding.py)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

@@ -22,7 +22,7 @@ from ..layers.backend import get_kernel_mode
 from ..layers.quantization.kv_cache import ensure_kv_scales
 from .block_table import PersistentBlockTable
 from .cuda_graphs import StepGraphs, cuda_graph_sizes, token_buckets
-from .kv_compaction import compact_tables
+from .kv_compaction import SinkRotation, compact_tables
 from .model_input import ModelInput
 
 
@@ -74,6 +74,10 @@ class ModelRunner:
         self.token_buckets = token_buckets(config.max_num_batched_tokens if max_tokens is None else max_tokens)
         self.max_num_seqs = config.max_num_seqs
         self.compact_kv = getattr(config, "kv_eviction", None) == "streaming"
+        self.sink_rotation = None  # StreamingLLM with positions within the cache (kv_compaction.py)
+        if self.compact_kv and config.kv_positions == "cache":
+            sink_blocks = -(-config.sink_tokens // self.block_size)
+            self.sink_rotation = SinkRotation(model, cache, sink_blocks, config.max_num_seqs)
         spec = config.speculative_config  # chapter 09: a verify wants logits at 1 + k rows per sequence
         self.logits_per_seq = 1 + spec.num_speculative_tokens if spec is not None else 1
         self._first_layer = cache_layers(model)[0]
@@ -99,8 +103,10 @@ class ModelRunner:
         device, for the rows step.prev_token_dst names (overlap scheduling)."""
         table = self.step_block_table(step)  # first: the table changes must land whatever happens next
         if self.compact_kv:  # StreamingLLM (chapter 15): the kernels read the kept blocks only
-            table, seq_lens = compact_tables(table, step.seq_lens, self.block_size)
+            table, seq_lens, evicted = compact_tables(table, step.seq_lens, self.block_size)
             step = dataclasses.replace(step, seq_lens=seq_lens)
+            if self.sink_rotation is not None:
+                table = self.sink_rotation.apply(table, evicted)
         self.bind()
         if step.prev_token_dst and prev_tokens is None:
             raise ValueError("this step takes tokens sampled by the previous one, but none were given")
