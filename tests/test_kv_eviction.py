@@ -31,6 +31,18 @@ from minillm.sampling import SamplingParams
 from minillm.worker.kv_compaction import SinkRotation, reserved_sink_blocks
 
 _MODELS: dict = {}
+GPU = torch.cuda.is_available()
+
+
+def kernel(fn, *args, **kwargs):
+    """fn(*args, **kwargs) on the GPU when there is one (the Triton kernels run natively there, interpreted
+    on a CPU); -> its result on the CPU."""
+    if not GPU:
+        return fn(*args, **kwargs)
+
+    def move(x):
+        return x.cuda() if isinstance(x, torch.Tensor) else x
+    return fn(*map(move, args), **{k: move(v) for k, v in kwargs.items()}).cpu()
 
 
 def tiny(windows: tuple, max_pos: int = 512):
@@ -184,22 +196,36 @@ def test_null_entries_before_the_window_change_nothing(decode, triton):
         fn = flash_decode.flash_decode if triton else flash_decode.flash_decode_ref
 
         def attend(t):
-            return fn(q, k_cache, v_cache, seq_lens, t, sliding_window=W)
+            return kernel(fn, q, k_cache, v_cache, seq_lens, t, sliding_window=W)
     else:
         cu = torch.tensor([0, nq], dtype=torch.int32)
         fn = flash_attn.flash_attn_varlen if triton else flash_attn.flash_attn_varlen_ref
 
         def attend(t):
-            return fn(q, k_cache, v_cache, cu, nq, seqused_k=seq_lens, block_table=t, sliding_window=W)
+            return kernel(fn, q, k_cache, v_cache, cu, nq, seqused_k=seq_lens, block_table=t, sliding_window=W)
     torch.testing.assert_close(attend(evicted), attend(full), rtol=0, atol=0)
 
 
 # ---- 2. StreamingLLM -------------------------------------------------------------------------------
 
+def paged_evicted(k, v, pol, start: int, g, extra_blocks: int = 0):
+    """K/V [L, Hkv, D] written to a randomly permuted paged pool (block 0 and extra_blocks at the end
+    left empty), and the sequence's table with the entries pol evicts before `start` nulled."""
+    L, bs = k.shape[0], pol.block_size
+    nblk = -(-L // bs)
+    blocks = torch.randperm(nblk, generator=g) + 1  # logical block i lives in pool block blocks[i]
+    k_cache, v_cache = (torch.zeros(nblk + 1 + extra_blocks, bs, *k.shape[1:]) for _ in range(2))
+    for p in range(L):
+        k_cache[blocks[p // bs], p % bs], v_cache[blocks[p // bs], p % bs] = k[p], v[p]
+    lo, hi = pol.evictable(start)
+    return k_cache, v_cache, [NULL_BLOCK if lo <= i < hi else int(b) for i, b in enumerate(blocks)]
+
+
 def test_compact_tables():
     table = np.array([[3, 0, 0, 7, 8, 0], [5, 6, 0, 0, 0, 0]], dtype=np.int32)
-    out, lens, evicted = compact_tables(table, [18, 7], 4)  # row 0: 5 entries in use, 2 of them null
+    out, lens, evicted, entries = compact_tables(table, [18, 7], 4)  # row 0: 5 entries in use, 2 of them null
     assert out.tolist() == [[3, 7, 8, 0, 0, 0], [5, 6, 0, 0, 0, 0]] and lens == [10, 7] and evicted == [8, 0]
+    assert entries[0, :3].tolist() == [0, 3, 4] and entries[1, :2].tolist() == [0, 1]
 
 
 def dense_sink_window(q, k, v, q_pos, kept):
@@ -219,27 +245,28 @@ def test_streaming_attention_matches_dense_reference(nq, triton):
     g = torch.Generator().manual_seed(nq)
     bs, Hq, Hkv, D, L = 4, 4, 2, 16, 41
     pol = StreamingLLM(sink_tokens=4, kv_budget=16, block_size=bs, max_chunk=8)
-    nblk = -(-L // bs)
     k = torch.randn(L, Hkv, D, generator=g)
     v = torch.randn(L, Hkv, D, generator=g)
-    blocks = torch.randperm(nblk, generator=g) + 1  # logical block i lives in pool block blocks[i]
-    k_cache, v_cache = torch.zeros(nblk + 1, bs, Hkv, D), torch.zeros(nblk + 1, bs, Hkv, D)
-    for p in range(L):
-        k_cache[blocks[p // bs], p % bs], v_cache[blocks[p // bs], p % bs] = k[p], v[p]
+    k_cache, v_cache, table = paged_evicted(k, v, pol, L - nq, g)
     start = L - nq
-    lo, hi = pol.evictable(start)
-    table = [NULL_BLOCK if lo <= i < hi else int(b) for i, b in enumerate(blocks)]
-    t, lens, _ = compact_tables([table], [L], bs)
+    t, lens, *_ = compact_tables([table], [L], bs)
     t, lens = torch.as_tensor(t), torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(nq, Hq, D, generator=g)
-    if nq == 1:
-        out = (flash_decode.flash_decode if triton else flash_decode.flash_decode_ref)(q, k_cache, v_cache, lens, t)
-    else:
-        out = (flash_attn.flash_attn_varlen if triton else flash_attn.flash_attn_varlen_ref)(q, k_cache, v_cache, torch.tensor([0, nq], dtype=torch.int32), nq,
-                                               seqused_k=lens, block_table=t)
+    out = attend_paged(triton, q, k_cache, v_cache, lens, t)
     kept = pol.kept(start, L)
     assert len(kept) < L and kept[:4] == [0, 1, 2, 3]
-    torch.testing.assert_close(out, dense_sink_window(q, k, v, list(range(start, L)), kept))
+    torch.testing.assert_close(out, dense_sink_window(q, k, v, list(range(start, L)), kept), rtol=1e-4, atol=1e-5)
+
+
+def attend_paged(triton: bool, q, k_cache, v_cache, seq_lens, table):
+    """One sequence's queries q [nq, Hq, D] (the last nq of its seq_lens[0] keys) through the engine's
+    attention: the decode kernel for one query, the prefill kernel for more (or their torch references)."""
+    nq = q.shape[0]
+    if nq == 1:
+        return kernel(flash_decode.flash_decode if triton else flash_decode.flash_decode_ref,
+                      q, k_cache, v_cache, seq_lens, table)
+    return kernel(flash_attn.flash_attn_varlen if triton else flash_attn.flash_attn_varlen_ref, q, k_cache, v_cache,
+                  torch.tensor([0, nq], dtype=torch.int32), nq, seqused_k=seq_lens, block_table=table)
 
 
 def streaming_reference(model, prompt, n, pol):
@@ -278,6 +305,21 @@ def test_streaming_engine_matches_reference():
     assert engine.block_manager.peak_used <= 2 * 4
     full, _ = run(model, ps, 30, block_size=BS, num_gpu_blocks=64)
     assert full != got
+
+
+def test_streaming_with_prefix_caching_is_streaming_without():
+    """Prompts of one chunk name their blocks, then StreamingLLM evicts some of them: with either prefix
+    cache the tokens are those without one. (The radix tree keeps named blocks held until the sequence
+    ends; they must still leave the table, or the compacted attention would read them.)"""
+    model = tiny((None, None))
+    ps = prompts(random.Random(7), [30, 5, 22])
+    cfg = dict(block_size=BS, num_gpu_blocks=64, kv_eviction="streaming", sink_tokens=4, kv_budget=16)
+    want, _ = run(model, ps, 20, **cfg)
+    for prefix in ("hash", "radix"):
+        got, engine = run(model, ps, 20, enable_prefix_caching=prefix, **cfg)
+        bm = engine.block_manager
+        assert got == want, prefix
+        assert sum(bm.ref_counts) == 0 and bm.num_free_blocks == bm.num_blocks - 1
 
 
 @pytest.mark.slow
@@ -322,15 +364,10 @@ def test_streaming_positions_attention_matches_reference(positions, triton, nq):
     rope = RotaryEmbedding(D, 256, 10000.0)
     k = apply_rotary_ref(k0, k0, *rope.cos_sin(torch.arange(L), torch.float32))[1]  # as the model writes them
     q = apply_rotary_ref(q0, q0, *rope.cos_sin(torch.arange(L - nq, L), torch.float32))[0]
-    reserved = reserved_sink_blocks(pol.sink_blocks, rows)
-    blocks = torch.randperm(nblk, generator=g) + 1
-    k_cache, v_cache = torch.zeros(nblk + 1 + reserved, bs, Hkv, D), torch.zeros(nblk + 1 + reserved, bs, Hkv, D)
-    for p in range(L):
-        k_cache[blocks[p // bs], p % bs], v_cache[blocks[p // bs], p % bs] = k[p], v[p]
     start = L - nq
+    k_cache, v_cache, table = paged_evicted(k, v, pol, start, g, reserved_sink_blocks(pol.sink_blocks, rows))
     lo, hi = pol.evictable(start)
-    table = [NULL_BLOCK if lo <= i < hi else int(b) for i, b in enumerate(blocks)]
-    t, lens, evicted = compact_tables([table], [L], bs)
+    t, lens, evicted, _ = compact_tables([table], [L], bs)
     assert evicted[0] == (hi - lo) * bs > 0
     if positions == "cache":  # our sequence in batch row 2 of 3: its copies go to that row's blocks
         cache = SimpleNamespace(k_caches=[k_cache], v_caches=[v_cache], num_blocks=k_cache.shape[0],
@@ -339,13 +376,9 @@ def test_streaming_positions_attention_matches_reference(positions, triton, nq):
         t3 = rot.apply(np.concatenate([t, t, t]), [0, 0, evicted[0]])
         assert (t3[:2] == t).all() and t3[2, :2].tolist() == [nblk + 1 + 4, nblk + 1 + 5]
         t = t3[2:]
-        assert torch.equal(k_cache[int(blocks[0])], k[:bs])  # the originals stay as written (shared)
+        assert torch.equal(k_cache[table[0]], k[:bs])  # the originals stay as written (shared)
     t, lens = torch.as_tensor(t), torch.tensor(lens, dtype=torch.int32)
-    if nq == 1:
-        out = (flash_decode.flash_decode if triton else flash_decode.flash_decode_ref)(q, k_cache, v_cache, lens, t)
-    else:
-        fn = flash_attn.flash_attn_varlen if triton else flash_attn.flash_attn_varlen_ref
-        out = fn(q, k_cache, v_cache, torch.tensor([0, nq], dtype=torch.int32), nq, seqused_k=lens, block_table=t)
+    out = attend_paged(triton, q, k_cache, v_cache, lens, t)
     kept = pol.kept(start, L)
     by_original = rope_attention_reference(q0, k0[kept], v[kept], list(range(start, L)), kept, len(kept))
     in_cache = list(range(len(kept)))

@@ -17,8 +17,9 @@ The pool of blocks is PagedKVCache's memory; this is its bookkeeping, all on the
     copy of every table and receive only the differences each step (worker/block_table.py).
 
   * eviction (chapter 15, kv_eviction.py): before a step's slots are made, the entries its policy
-    says no query reads again give their blocks back and point at block 0 instead (sliding windows,
-    StreamingLLM). A sequence holds at most policy.max_blocks(its length) blocks (`max_blocks_held`).
+    says no query reads again (sliding windows, StreamingLLM), or that got the least attention (H2O,
+    `observe_attention`), give their blocks back and point at block 0 instead. A sequence holds at
+    most policy.max_blocks(its length) blocks (`max_blocks_held`).
     Prefix caching with eviction: full blocks are named as they fill, as always; once a sequence has
     evicted entries it names no further block (a block's name is the chain of everything before it,
     which the sequence no longer holds), so prefix hits reach at most up to where its eviction began.
@@ -66,6 +67,7 @@ class BlockManager:
         self._dropped: set[int] = set()  # seq_ids whose table went away (freed, swapped out)
         self.eviction = eviction
         self._evicted_upto: dict[int, int] = {}  # seq_id -> entries [eviction.lo, this) point at NULL_BLOCK
+        self._held: dict[int, list[int]] = {}  # seq_id -> named blocks evicted from its table, held (radix)
 
     # ---- change tracking (chapter 13) ------------------------------------------------------------
 
@@ -194,22 +196,31 @@ class BlockManager:
         return self.eviction.lo if self.eviction is not None else 0
 
     def _evict(self, seq_id: int, table: list[int], start: int) -> None:
-        """The entries no query at position >= start reads give their blocks back (kv_eviction.py)."""
-        lo, hi = self.eviction.evictable(start)
-        hi = min(hi, len(table))
-        first = max(lo, self._evicted_upto.get(seq_id, lo))  # entries before it are null already
-        if first >= hi:
+        """The entries the policy names for the step at `start` give their blocks back (kv_eviction.py)."""
+        victims = self.eviction.victims(seq_id, table, start, self._evicted_upto.get(seq_id))
+        victims = [i for i in victims if table[i] != NULL_BLOCK]  # entries null already stay so
+        if not victims:
             return
         keep_named = isinstance(self.prefix_cache, RadixPrefixCache)
-        for i in range(first, hi):
+        for i in victims:
             # A radix tree counts an unused node as evictable only if its subtree is unused too: a named
-            # block stays held (its K/V masked, not freed) until the sequence lets go of its named children.
+            # block stays held until the sequence lets go of its named children. A window masks its K/V
+            # (the entry stays); a compacting policy must not see it (held aside, the entry nulled).
             if keep_named and table[i] in self.prefix_cache:
-                continue
-            self._drop(table[i])
+                if not self.eviction.compacts:
+                    continue
+                self._held.setdefault(seq_id, []).append(table[i])
+            else:
+                self._drop(table[i])
             table[i] = NULL_BLOCK
-        self._evicted_upto[seq_id] = hi
-        self._changed(seq_id, first)
+        self._evicted_upto[seq_id] = max(self._evicted_upto.get(seq_id, 0), victims[-1] + 1)
+        self._changed(seq_id, victims[0])
+
+    def observe_attention(self, block_mass: dict) -> None:
+        """A step's attention mass per kept table entry, {seq_id: (entries, masses)}, for the policy (H2O)."""
+        for seq_id, (entries, masses) in block_mass.items():
+            if seq_id in self.block_tables:
+                self.eviction.observe(seq_id, entries, masses)
 
     def trim(self, seq_id: int, num_tokens: int) -> None:
         """Give back the blocks past the first num_tokens tokens (chapter 09: slots reserved for draft
@@ -230,11 +241,21 @@ class BlockManager:
         self.block_tables[child_id] = list(table)
         if parent_id in self._evicted_upto:
             self._evicted_upto[child_id] = self._evicted_upto[parent_id]
+        if parent_id in self._held:
+            self._held[child_id] = list(self._held[parent_id])
+            for b in self._held[child_id]:
+                self.ref_counts[b] += 1
+        if self.eviction is not None:
+            self.eviction.fork(parent_id, child_id)
         self._changed(child_id, 0)
 
     def free(self, seq_id: int) -> None:
         self._gone(seq_id)
         self._evicted_upto.pop(seq_id, None)
+        if self.eviction is not None:
+            self.eviction.forget(seq_id)
+        for b in reversed(self._held.pop(seq_id, [])):  # named descendants of the table's named head
+            self._drop(b)
         for b in reversed(self.block_tables.pop(seq_id, [])):  # tail first: the prefix stays cached longest
             self._drop(b)
         for b in self.cpu_tables.pop(seq_id, []):

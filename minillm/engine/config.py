@@ -61,7 +61,8 @@ class EngineConfig:
     # KV eviction (chapter 15, engine/kv_eviction.py): "auto" frees the blocks a model whose every layer has
     # a sliding window will never read again (exact), "sliding" insists on it, "none" keeps every block;
     # "streaming" (StreamingLLM) keeps the first sink_tokens (whole blocks) and the most recent tokens, up
-    # to kv_budget tokens in all, for unbounded generation in constant memory (an approximation).
+    # to kv_budget tokens in all, for unbounded generation in constant memory (an approximation); "h2o"
+    # keeps kv_budget tokens: the recent half and the blocks that got the most attention (heavy hitters).
     # kv_positions (streaming only): "original" scores a kept key at the position it was written at, "cache"
     # at its place among the kept tokens, as the paper does (worker/kv_compaction.py SinkRotation)
     kv_eviction: str = "auto"
@@ -100,22 +101,7 @@ class EngineConfig:
         check_choice("structured_outputs_backend", self.structured_outputs_backend, ("minillm", "xgrammar"))
         if self.structured_outputs_backend == "xgrammar":  # not installed: say so before any model loads
             import_xgrammar()
-        check_choice("kv_eviction", self.kv_eviction, ("auto", "none", "sliding", "streaming"))
-        check_int("sink_tokens", self.sink_tokens, 0)
-        check_int("kv_budget", self.kv_budget, optional=True)
-        if self.kv_eviction == "streaming":
-            if self.kv_budget is None:
-                raise ValueError("kv_eviction='streaming' needs kv_budget (tokens kept per sequence)")
-            sink = -(-self.sink_tokens // self.block_size) * self.block_size
-            if self.kv_budget < sink + self.block_size:
-                raise ValueError(f"kv_budget={self.kv_budget} must hold the sink block(s) ({sink} tokens for "
-                                 f"sink_tokens={self.sink_tokens}) and at least one recent block of "
-                                 f"block_size={self.block_size}")
-        elif self.kv_budget is not None:
-            raise ValueError(f"kv_budget is for kv_eviction='streaming', not {self.kv_eviction!r}")
-        check_choice("kv_positions", self.kv_positions, ("original", "cache"))
-        if self.kv_positions == "cache" and self.kv_eviction != "streaming":
-            raise ValueError(f"kv_positions='cache' is for kv_eviction='streaming', not {self.kv_eviction!r}")
+        self._check_kv_eviction()
         kv_cache_torch_dtype(self.kv_cache_dtype)  # an unknown name fails here, before any model is touched
         if self.kv_transfer_config is not None:
             self.kv_transfer_config = KVTransferConfig.from_dict(self.kv_transfer_config)
@@ -124,6 +110,39 @@ class EngineConfig:
             if spec.num_speculative_tokens + 1 > self.max_num_batched_tokens:
                 raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} does not "
                                  f"fit a step of max_num_batched_tokens={self.max_num_batched_tokens} beside its token")
+
+    def _check_kv_eviction(self) -> None:
+        check_choice("kv_eviction", self.kv_eviction, ("auto", "none", "sliding", "streaming", "h2o"))
+        check_int("sink_tokens", self.sink_tokens, 0)
+        check_int("kv_budget", self.kv_budget, optional=True)
+        kind = self.kv_eviction
+        if kind in ("streaming", "h2o") and self.kv_budget is None:
+            raise ValueError(f"kv_eviction={kind!r} needs kv_budget (tokens kept per sequence)")
+        if kind == "streaming":
+            sink = -(-self.sink_tokens // self.block_size) * self.block_size
+            if self.kv_budget < sink + self.block_size:
+                raise ValueError(f"kv_budget={self.kv_budget} must hold the sink block(s) ({sink} tokens for "
+                                 f"sink_tokens={self.sink_tokens}) and at least one recent block of "
+                                 f"block_size={self.block_size}")
+        elif kind == "h2o":
+            if self.kv_budget < 2 * self.block_size:
+                raise ValueError(f"kv_budget={self.kv_budget} must hold at least 2 blocks of block_size="
+                                 f"{self.block_size} (heavy hitters and a recent window) for kv_eviction='h2o'")
+            # H2O ranks blocks by the attention every query gave them: a prefix hit skips those queries,
+            # a draft's rejected tokens would add theirs, and an overlapped step would rank with a stale sum
+            off = {"enable_prefix_caching": self.enable_prefix_caching, "speculative_config": self.speculative_config,
+                   "async_scheduling": self.async_scheduling or None}
+            for field, value in off.items():
+                if value is not None:
+                    raise ValueError(f"kv_eviction='h2o' cannot run with {field}={value!r}: leave it off")
+            if kv_cache_torch_dtype(self.kv_cache_dtype) is not None:
+                raise ValueError(f"kv_eviction='h2o' reads keys as floats; kv_cache_dtype={self.kv_cache_dtype!r} "
+                                 "is quantized: use 'auto'")
+        elif self.kv_budget is not None:
+            raise ValueError(f"kv_budget is for kv_eviction='streaming' or 'h2o', not {kind!r}")
+        check_choice("kv_positions", self.kv_positions, ("original", "cache"))
+        if self.kv_positions == "cache" and kind != "streaming":
+            raise ValueError(f"kv_positions='cache' is for kv_eviction='streaming', not {kind!r}")
 
     def resolve(self, model, draft_model=None) -> ResolvedSizes:
         """The sizes this config means for this model, worked out once: the context, the KV pool on the

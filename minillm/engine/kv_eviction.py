@@ -15,12 +15,24 @@ shape: a slot is still table[p // bs] * bs + p % bs, and a position is still the
     gives no policy: "auto" stays off, "sliding" is refused).
   * StreamingLLM(sink_tokens, kv_budget) (Xiao et al., 2023): keep the first cdiv(sink_tokens, bs)
     blocks (the attention sinks) and the R = kv_budget // bs - sink blocks ending with start's block;
-    the ones between go, [sink, start // bs - R + 1). Keys keep the positions they were rotated with (the
-    original ones; the paper re-rotates within the cache instead). The kernels must not see the null
+    the ones between go, [sink, start // bs - R + 1). kv_positions="original": keys keep the positions
+    they were rotated with; "cache": positions within the cache, as the paper (worker/kv_compaction.py
+    SinkRotation: rotated copies of the sinks, in blocks the worker reserves, `reserved_blocks`). The kernels must not see the null
     entries here (no window masks them): the worker compacts each row of the table, dropping its null
     entries, and shortens seq_lens by bs per dropped entry (`compact_tables`); the kept keys stay in
     order and the new tokens last, so the causal mask (queries aligned to the end) is unchanged and each
     query attends to exactly sinks + recent blocks + the step's own earlier tokens.
+
+  * H2O(kv_budget) (Zhang et al., 2023, "heavy hitters"): every step, each layer's attention also adds
+    the probability each cached key got from the step's queries (summed over queries and heads) to that
+    key's mass (kernels/attn_mass.py; the worker returns it per table entry, ModelRunnerOutput); the
+    policy keeps, per sequence, the running sum per entry over layers and steps. Before a step, if the
+    sequence holds more than kv_budget // bs blocks before the step's own, the lightest go, except the
+    last half of the budget (the recent window H2O keeps beside its heavy hitters). Block-granular,
+    with compaction as StreamingLLM: the pool, the table and the kernels are shared by every layer and
+    head, so a block is the unit that can be given back and skipped; a token-granular H2O (the paper's,
+    per head) would need per-layer, per-head tables and a kernel that gathers single slots, and would
+    free memory only once a block's every slot had gone. Preemption recomputes with a fresh mass.
 
 Eviction happens between steps (BlockManager.allocate_slots, before a step's slots are made): a prefill
 chunk attends to everything kept at its start and to itself, so a sequence holds at most
@@ -32,6 +44,7 @@ from __future__ import annotations
 from ..worker.kv_compaction import NULL_BLOCK, compact_tables, reserved_sink_blocks
 
 __all__ = [
+    "H2O",
     "KINDS",
     "NULL_BLOCK",
     "KVEvictionPolicy",
@@ -40,7 +53,7 @@ __all__ = [
     "compact_tables",
     "make_kv_eviction",
 ]
-KINDS = ("auto", "none", "sliding", "streaming")
+KINDS = ("auto", "none", "sliding", "streaming", "h2o")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -65,6 +78,19 @@ class KVEvictionPolicy:
         """The most pool blocks a sequence of up to num_tokens tokens holds at once (steps of at most
         max_chunk new tokens)."""
         raise NotImplementedError
+
+    def victims(self, seq_id: int, table: list[int], start: int, done: int | None) -> list[int]:
+        """The table entries to evict before the step that starts at `start`. done: where the last
+        eviction of this sequence ended (None: none yet). A range policy evicts [lo, hi) once."""
+        lo, hi = self.evictable(start)
+        return list(range(max(lo, lo if done is None else done), min(hi, len(table))))
+
+    # what the block manager tells a policy that keeps per-sequence state (H2O)
+    def fork(self, parent_id: int, child_id: int) -> None:
+        pass
+
+    def forget(self, seq_id: int) -> None:
+        pass
 
 
 class SlidingWindow(KVEvictionPolicy):
@@ -109,6 +135,49 @@ class StreamingLLM(KVEvictionPolicy):
         return [p for p in range(length) if p >= start or not lo <= p // bs < hi]
 
 
+class H2O(KVEvictionPolicy):
+    name, compacts = "h2o", True
+
+    def __init__(self, kv_budget: int, block_size: int, max_chunk: int):
+        super().__init__(block_size, max_chunk)
+        self.budget_blocks = kv_budget // block_size
+        if self.budget_blocks < 2:
+            raise ValueError(f"kv_budget={kv_budget} must hold at least 2 blocks of block_size={block_size} "
+                             "(heavy hitters and a recent window)")
+        self.recent_blocks = max(1, self.budget_blocks // 2)  # the current block among them
+        self.mass: dict[int, dict[int, float]] = {}  # seq_id -> table entry -> attention mass so far
+
+    def evictable(self, start):
+        return 0, 0  # nothing by position alone (a prefix hit keeps every block)
+
+    def max_blocks(self, num_tokens):
+        # before a step: budget_blocks - 1 full blocks, then the step's first block and its chunk's others
+        held = self.budget_blocks + cdiv(self.max_chunk - 1, self.block_size)
+        return min(cdiv(num_tokens, self.block_size), held)
+
+    def victims(self, seq_id, table, start, done):
+        cur = start // self.block_size  # the step's first block (partly written, or new): kept
+        held = [i for i in range(min(cur, len(table))) if table[i] != NULL_BLOCK]  # full blocks before it
+        excess = len(held) + 1 - self.budget_blocks
+        if excess <= 0:
+            return []
+        candidates = held[: len(held) - (self.recent_blocks - 1)]  # the recent window stays
+        mass = self.mass.get(seq_id, {})
+        return sorted(sorted(candidates, key=lambda i: mass.get(i, 0.0))[:excess])  # lightest; ties: oldest
+
+    def observe(self, seq_id: int, entries: list[int], masses: list[float]) -> None:
+        """One step's attention mass of a sequence's table entries (all layers), added to its sums."""
+        acc = self.mass.setdefault(seq_id, {})
+        for i, m in zip(entries, masses):
+            acc[i] = acc.get(i, 0.0) + m
+
+    def fork(self, parent_id, child_id):
+        self.mass[child_id] = dict(self.mass.get(parent_id, {}))
+
+    def forget(self, seq_id):
+        self.mass.pop(seq_id, None)
+
+
 def make_kv_eviction(config, model_config) -> KVEvictionPolicy | None:
     """The engine's policy for this model, or None (every block kept). config: an EngineConfig."""
     kind = config.kv_eviction
@@ -128,8 +197,10 @@ def make_kv_eviction(config, model_config) -> KVEvictionPolicy | None:
                              f"sliding_windows are {windows} (a full-attention layer reads every block)")
         return SlidingWindow(max(windows), bs, chunk)
     if any(w is not None for w in windows):  # compaction would shift a window's distances
-        raise ValueError(f"kv_eviction='streaming' needs full-attention layers; this model's sliding_windows are "
+        raise ValueError(f"kv_eviction={kind!r} needs full-attention layers; this model's sliding_windows are "
                          f"{windows} (use 'sliding')")
+    if kind == "h2o":
+        return H2O(config.kv_budget, bs, chunk)
     return StreamingLLM(config.sink_tokens, config.kv_budget, bs, chunk)
 
 

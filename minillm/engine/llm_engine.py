@@ -153,7 +153,8 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         self.kv_connector = make_kv_connector(kv, config.block_size, self.sizes.kv_cache_spec) if kv else None
         self.scheduler = Scheduler(config, self.block_manager, self.kv_connector)
         self.has_proposer = spec is not None
-        auto = self.sizes.device.type == "cuda"  # overlap pays where a GPU runs beside the host
+        # overlap pays where a GPU runs beside the host; H2O ranks blocks by the step just run (kv_eviction.py)
+        auto = self.sizes.device.type == "cuda" and config.kv_eviction != "h2o"
         self.async_scheduling = auto if config.async_scheduling is None else config.async_scheduling
         self._host_sampled: set[str] = set()  # requests the overlapped step cannot sample (overlap_steps.py)
         if spec is not None:
@@ -290,6 +291,8 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
             return failed + self._fail({self._group_of[s.seq_id]: e for s, _ in sched.scheduled})
         if out.kv_stats is not None:
             self.engine_stats.kv.add(out.kv_stats)
+        if out.kv_block_mass:  # H2O (chapter 15): what each kept block was attended with this step
+            self.block_manager.observe_attention(out.kv_block_mass)
         self._advance(sched)
         if not samplers:  # only prompt chunks ran: their K/V are cached, nothing to sample yet
             return failed

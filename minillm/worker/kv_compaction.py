@@ -11,6 +11,8 @@ tokens. (This file is the worker's side; the engine's policy imports it, never t
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -19,18 +21,35 @@ from ..layers.rotary_embedding import RotaryEmbedding
 NULL_BLOCK = 0  # BlockManager's reserved block: evicted table entries point at it (zeros, never written)
 
 
-def compact_tables(table, seq_lens: list[int], block_size: int) -> tuple[np.ndarray, list[int], list[int]]:
-    """Each row of a [B, W] block table without its null entries (kept order), each sequence's key
-    count less block_size per null entry within its length (what the kernels read for StreamingLLM),
-    and those evicted tokens per row. Rows are padded with NULL_BLOCK past their new length, as before."""
+class Compacted(NamedTuple):
+    table: np.ndarray  # [B, W] the kept entries of each row first, in order; NULL_BLOCK after them
+    seq_lens: list[int]  # [B] keys per row that the kernels read
+    evicted: list[int]  # [B] tokens dropped from each row (block_size per null entry within its length)
+    entries: np.ndarray  # [B, W] the block-table entry (index) each column of `table` came from
+
+
+def compact_tables(table, seq_lens: list[int], block_size: int) -> Compacted:
+    """Each row of a [B, W] block table without its null entries (kept order): what the kernels read
+    for StreamingLLM and H2O. Rows are padded with NULL_BLOCK past their new length, as before."""
     t = np.asarray(table, dtype=np.int32).reshape(len(seq_lens), -1)  # [B, W]
     lens = np.asarray(seq_lens, dtype=np.int64)  # [B]
     used = np.arange(t.shape[1])[None, :] < -(-lens[:, None] // block_size)  # [B, W] entries within the length
     null = used & (t == NULL_BLOCK)
-    order = np.argsort(null | ~used, axis=1, kind="stable")  # kept entries first, in order
+    order = np.argsort(null | ~used, axis=1, kind="stable")  # [B, W] kept entries first, in order
     out = np.take_along_axis(np.where(used & ~null, t, NULL_BLOCK), order, axis=1)
     evicted = block_size * null.sum(axis=1)  # [B]
-    return out, (lens - evicted).tolist(), evicted.tolist()
+    return Compacted(out, (lens - evicted).tolist(), evicted.tolist(), order)
+
+
+def block_masses(mass: torch.Tensor, compacted: Compacted, seq_ids: list[int], block_size: int) -> dict:
+    """H2O: a step's attention mass per compacted key [B, W * bs] -> {seq_id: (entries, masses)}, the
+    mass of each kept table entry (its block's keys summed), for the engine's policy (kv_eviction.py)."""
+    per_block = mass.view(mass.shape[0], -1, block_size).sum(-1).cpu().numpy()  # [B, W]
+    out = {}
+    for b, seq_id in enumerate(seq_ids):
+        n = -(-compacted.seq_lens[b] // block_size)  # kept entries of row b
+        out[seq_id] = (compacted.entries[b, :n].tolist(), per_block[b, :n].tolist())
+    return out
 
 
 class SinkRotation:

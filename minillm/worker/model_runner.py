@@ -22,7 +22,7 @@ from ..layers.backend import get_kernel_mode
 from ..layers.quantization.kv_cache import ensure_kv_scales
 from .block_table import PersistentBlockTable
 from .cuda_graphs import StepGraphs, cuda_graph_sizes, token_buckets
-from .kv_compaction import SinkRotation, compact_tables
+from .kv_compaction import SinkRotation, block_masses, compact_tables
 from .model_input import ModelInput
 
 
@@ -40,10 +40,11 @@ def take_prev_tokens(input_ids: torch.Tensor, step: ModelInput, prev_tokens: tor
 
 
 def forward_packed(model, device, step: ModelInput, prev_tokens: torch.Tensor | None = None,
-                   block_table=None, kv_connector=None) -> torch.Tensor:
+                   block_table=None, kv_connector=None, extras: dict | None = None) -> torch.Tensor:
     """One eager forward pass over a ModelInput; -> logits [len(step.logits_indices), vocab] fp32.
     block_table: the step's [B, W] table when the worker keeps the tables (else step.block_table).
-    kv_connector: chapter 17's worker side, bound to the step's work; its attention hooks run inside."""
+    kv_connector: chapter 17's worker side, bound to the step's work; its attention hooks run inside.
+    extras: the forward context's (H2O's attention-mass buffer)."""
     meta = AttentionMetadata.from_seq_lens(step.query_lens, device)
     meta.seq_lens = torch.tensor(step.seq_lens, dtype=torch.int32, device=device)  # [B]
     table = step.block_table if block_table is None else block_table
@@ -51,7 +52,7 @@ def forward_packed(model, device, step: ModelInput, prev_tokens: torch.Tensor | 
     meta.slot_mapping = torch.tensor(step.slot_mapping, dtype=torch.int64, device=device)  # [T]
     input_ids = torch.tensor(step.input_ids, device=device)  # [T]
     take_prev_tokens(input_ids, step, prev_tokens)
-    with set_forward_context(meta, kv_connector=kv_connector):
+    with set_forward_context(meta, kv_connector=kv_connector, extras=extras or {}):
         hidden = model(input_ids, torch.tensor(step.positions, device=device), meta)  # [T, hidden]
     rows = torch.tensor(step.logits_indices, dtype=torch.long, device=device)  # [rows]
     return model.compute_logits(hidden[rows])  # [rows, vocab]
@@ -68,12 +69,15 @@ class ModelRunner:
         self.block_tables = PersistentBlockTable(config.max_num_seqs, self.max_blocks_per_seq)
         # graphs hold minillm's Triton kernels: MINILLM_KERNELS=torch (the references) runs eagerly
         self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
-                                and get_kernel_mode() != "torch")
+                                and get_kernel_mode() != "torch" and getattr(config, "kv_eviction", None) != "h2o")
         self.graph_sizes = cuda_graph_sizes(config.max_num_seqs, config.cuda_graph_max_batch)
         max_tokens = config.cuda_graph_max_tokens
         self.token_buckets = token_buckets(config.max_num_batched_tokens if max_tokens is None else max_tokens)
         self.max_num_seqs = config.max_num_seqs
-        self.compact_kv = getattr(config, "kv_eviction", None) == "streaming"
+        kind = getattr(config, "kv_eviction", None)
+        self.compact_kv = kind in ("streaming", "h2o")  # the kernels read each table without its null entries
+        self.h2o = kind == "h2o"  # the layers also add up each key's attention mass (kernels/attn_mass.py)
+        self.block_mass: dict | None = None  # H2O: the last step's {seq_id: (entries, masses)}
         self.sink_rotation = None  # StreamingLLM with positions within the cache (kv_compaction.py)
         if self.compact_kv and config.kv_positions == "cache":
             sink_blocks = -(-config.sink_tokens // self.block_size)
@@ -103,13 +107,19 @@ class ModelRunner:
         device, for the rows step.prev_token_dst names (overlap scheduling)."""
         table = self.step_block_table(step)  # first: the table changes must land whatever happens next
         if self.compact_kv:  # StreamingLLM (chapter 15): the kernels read the kept blocks only
-            table, seq_lens, evicted = compact_tables(table, step.seq_lens, self.block_size)
-            step = dataclasses.replace(step, seq_lens=seq_lens)
+            compacted = compact_tables(table, step.seq_lens, self.block_size)
+            table = compacted.table
+            step = dataclasses.replace(step, seq_lens=compacted.seq_lens)
             if self.sink_rotation is not None:
-                table = self.sink_rotation.apply(table, evicted)
+                table = self.sink_rotation.apply(table, compacted.evicted)
         self.bind()
         if step.prev_token_dst and prev_tokens is None:
             raise ValueError("this step takes tokens sampled by the previous one, but none were given")
+        if self.h2o:  # eager (no graphs): the mass buffer is per step
+            mass = torch.zeros(len(step.seq_lens), table.shape[1] * self.block_size, device=self.device)  # [B, keys]
+            logits = forward_packed(self.model, self.device, step, prev_tokens, table, extras={"attn_mass": mass})
+            self.block_mass = block_masses(mass, compacted, step.seq_ids, self.block_size)
+            return logits
         kv_meta = step.kv_connector_metadata
         if self.kv_connector is not None and kv_meta is not None and kv_meta.has_work:
             return self._execute_with_transfers(step, prev_tokens, table, kv_meta)
