@@ -1,5 +1,5 @@
-"""H2O (chapter 15, engine/kv_eviction.py H2O, kernels/attn_mass.py): heavy-hitter eviction, block by
-block, against plain-PyTorch references on random inputs."""
+"""H2O and SnapKV (chapter 15, engine/kv_eviction.py, kernels/attn_mass.py): eviction by attention
+mass, block by block, against plain-PyTorch references on random inputs."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from test_kv_eviction import attend_paged, kernel, prompts, run, tiny
 
 from minillm.engine import EngineConfig
 from minillm.engine.block_manager import BlockManager
-from minillm.engine.kv_eviction import H2O, NULL_BLOCK
+from minillm.engine.kv_eviction import H2O, NULL_BLOCK, SnapKV
 from minillm.kernels.attn_mass import attention_mass, attention_mass_ref
-from minillm.worker.kv_compaction import block_masses, compact_tables
+from minillm.worker.kv_compaction import block_masses, compact_tables, observed_queries
+from minillm.worker.model_input import ModelInput
 
 
 @pytest.mark.parametrize("triton", [False, True])
@@ -137,7 +138,9 @@ def test_h2o_bad_configs():
                        (dict(kv_eviction="h2o", kv_budget=64, enable_prefix_caching="hash"), "enable_prefix_caching"),
                        (dict(kv_eviction="h2o", kv_budget=64, async_scheduling=True), "async_scheduling"),
                        (dict(kv_eviction="h2o", kv_budget=64, kv_cache_dtype="int8"), "kv_cache_dtype"),
-                       (dict(kv_eviction="h2o", kv_budget=64, kv_positions="cache"), "kv_positions")]:
+                       (dict(kv_eviction="h2o", kv_budget=64, kv_positions="cache"), "kv_positions"),
+                       (dict(kv_eviction="snapkv", kv_budget=64, snapkv_window=0), "snapkv_window"),
+                       (dict(kv_eviction="snapkv", kv_budget=64, async_scheduling=True), "async_scheduling")]:
         with pytest.raises(ValueError, match=match):
             EngineConfig(**bad)
 
@@ -159,3 +162,86 @@ def test_cli_and_llm_take_the_kv_eviction_settings():
         EngineConfig(**engine_kwargs(build_parser().parse_args(["serve", "--kv-eviction", "lru"])))
     with pytest.raises(ValueError, match="kv_budget=8 must hold at least 2 blocks"):  # before any model loads
         LLM(kv_eviction="h2o", kv_budget=8)
+
+
+# ---- SnapKV ------------------------------------------------------------------------------------------
+
+def dense_snapkv(q, k, v, prompt_len: int, budget_blocks: int, window: int, bs: int):
+    """Plain-PyTorch SnapKV: the prompt in one step; the softmax of its last `window` queries, summed over
+    them and the heads, per block of keys; before the first decode the lightest full blocks before the
+    window's first block go until budget_blocks remain with the step's; then nothing more goes."""
+    L, Hq = k.shape[0], q.shape[1]
+    group = Hq // k.shape[1]
+    kept = torch.ones(L, dtype=torch.bool)
+    outs = []
+    for start, end in [(0, prompt_len)] + [(p, p + 1) for p in range(prompt_len, L)]:
+        keys = torch.nonzero(kept[:end]).flatten()
+        kk, vv = k[keys].repeat_interleave(group, 1), v[keys].repeat_interleave(group, 1)  # [K, Hq, D]
+        s = torch.einsum("qhd,khd->hqk", q[start:end], kk) * q.shape[-1] ** -0.5
+        s = s.masked_fill(keys[None, None, :] > torch.arange(start, end)[None, :, None], float("-inf"))
+        p = s.softmax(-1)  # [Hq, n, K]
+        outs.append(torch.einsum("hqk,khd->qhd", p, vv))
+        if start == 0:  # the observation window, then the one compression
+            block_mass = torch.zeros(-(-L // bs)).index_add_(0, keys // bs, p[:, -window:].sum((0, 1)))
+            full = list(range(prompt_len // bs))
+            candidates = [c for c in full if c < (prompt_len - window) // bs]
+            excess = min(len(full) + 1 - budget_blocks, len(candidates))
+            for c in sorted(candidates, key=lambda c: (block_mass[c].item(), c))[:max(0, excess)]:
+                kept[c * bs:(c + 1) * bs] = False
+    return outs
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_snapkv_paged_equals_dense_reference(triton):
+    """Random Q/K/V (prompt 23, window 5, budget 3 blocks of 4): the block manager under SnapKV, the
+    observation window the runner picks (observed_queries), the mass kernel on just those queries and the
+    compacted table give, step by step, the dense SnapKV outputs over exactly the kept tokens."""
+    g = torch.Generator().manual_seed(5)
+    bs, Hq, Hkv, D, L, P, budget, w = 4, 4, 2, 16, 34, 23, 12, 5
+    q, k, v = (torch.randn(L, h, D, generator=g) for h in (Hq, Hkv, Hkv))
+    want = dense_snapkv(q, k, v, P, budget // bs, w, bs)
+    pol = SnapKV(budget, w, bs, max_chunk=P)
+    bm = BlockManager(40, bs, eviction=pol)
+    k_cache, v_cache = torch.zeros(40, bs, Hkv, D), torch.zeros(40, bs, Hkv, D)
+    for (start, end), out_want in zip([(0, P)] + [(p, p + 1) for p in range(P, L)], want):
+        assert bm.allocate_slots(7, end, end - start)
+        table = bm.block_tables[7]
+        for p in range(start, end):
+            k_cache[table[p // bs], p % bs], v_cache[table[p // bs], p % bs] = k[p], v[p]
+        c = compact_tables([table + [NULL_BLOCK] * (10 - len(table))], [end], bs)
+        t, lens = torch.as_tensor(c.table), torch.tensor(c.seq_lens, dtype=torch.int32)
+        torch.testing.assert_close(attend_paged(triton, q[start:end], k_cache, v_cache, lens, t), out_want,
+                                   rtol=1e-4, atol=1e-5)
+        step = ModelInput([], [], [], [end], [], [end - start], [end - start - 1])  # one row that samples
+        window, rows = observed_queries(step, w)
+        if rows:
+            idx, cu = window
+            mass = kernel(attention_mass if triton else attention_mass_ref, torch.zeros(1, t.shape[1] * bs),
+                          q[start:end][idx], k_cache, t, lens, cu, D ** -0.5)
+            bm.observe_attention(block_masses(mass, c, [7], bs, rows))
+    assert sum(b == NULL_BLOCK for b in bm.block_tables[7]) == P // bs + 1 - budget // bs  # compressed once
+    assert observed_queries(ModelInput([], [], [], [9, 4], [], [1, 3], [0, 3]), 2)[0][1].tolist() == [0, 0, 2]
+
+
+def test_snapkv_victims_spare_the_window_and_come_once():
+    pol = SnapKV(kv_budget=12, window=4, block_size=4, max_chunk=32)  # 3 blocks
+    table = [5, 6, 7, 8, 9]
+    assert pol.victims(1, table, 20, None) == []  # no observation yet: nothing
+    pol.observe(1, [0, 1, 2, 3, 4], [5.0, 1.0, 2.0, 3.0, 0.0])  # block 4 holds the window: the lightest, kept
+    assert pol.victims(1, table, 20, None) == [1, 2, 3]
+    assert pol.victims(1, [5, 0, 0, 0, 9, 10], 24, 4) == []  # once
+    pol.forget(1)
+    assert 1 not in pol.done and 1 not in pol.mass
+
+
+@pytest.mark.slow
+def test_snapkv_engine():
+    """Through the engine: batched = alone; a budget no prompt reaches = the full cache; a small one
+    differs from it."""
+    model = tiny((None, None))
+    ps = prompts(random.Random(9), [30, 5, 21])
+    cfg = dict(block_size=4, num_gpu_blocks=64, kv_eviction="snapkv", snapkv_window=4)
+    got, _ = run(model, ps, 20, kv_budget=12, **cfg)
+    assert got[0] == run(model, ps[:1], 20, kv_budget=12, **cfg)[0][0]
+    full, _ = run(model, ps, 20, kv_eviction="none", block_size=4, num_gpu_blocks=64)
+    assert run(model, ps, 20, kv_budget=64, **cfg)[0] == full != got

@@ -33,6 +33,11 @@ shape: a slot is still table[p // bs] * bs + p % bs, and a position is still the
     head, so a block is the unit that can be given back and skipped; a token-granular H2O (the paper's,
     per head) would need per-layer, per-head tables and a kernel that gathers single slots, and would
     free memory only once a block's every slot had gone. Preemption recomputes with a fresh mass.
+  * SnapKV(kv_budget, window) (Li et al., 2024): the step that ends a prompt (its last chunk) also
+    measures the mass its last `window` queries give each key (the observation window; shorter if the
+    chunk is); before the first decode step the prompt's lightest full blocks go, except the window's,
+    until kv_budget // bs blocks remain with the step's. Once: generated tokens are all kept. Summing
+    over heads and pooling over a block's tokens stand in for the paper's per-head, pooled choice.
 
 Eviction happens between steps (BlockManager.allocate_slots, before a step's slots are made): a prefill
 chunk attends to everything kept at its start and to itself, so a sequence holds at most
@@ -53,7 +58,7 @@ __all__ = [
     "compact_tables",
     "make_kv_eviction",
 ]
-KINDS = ("auto", "none", "sliding", "streaming", "h2o")
+KINDS = ("auto", "none", "sliding", "streaming", "h2o", "snapkv")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -178,6 +183,41 @@ class H2O(KVEvictionPolicy):
         self.mass.pop(seq_id, None)
 
 
+class SnapKV(H2O):
+    name = "snapkv"
+
+    def __init__(self, kv_budget: int, window: int, block_size: int, max_chunk: int):
+        super().__init__(kv_budget, block_size, max_chunk)
+        self.window = window
+        self.done: set[int] = set()  # sequences whose prompt was compressed
+
+    def max_blocks(self, num_tokens):
+        return cdiv(num_tokens, self.block_size)  # generated tokens are all kept
+
+    def victims(self, seq_id, table, start, done):
+        if seq_id in self.done or seq_id not in self.mass:  # once, after the prompt's window was observed
+            return []
+        self.done.add(seq_id)
+        cur = start // self.block_size
+        held = [i for i in range(min(cur, len(table))) if table[i] != NULL_BLOCK]
+        first_seen = (start - min(self.window, start)) // self.block_size  # the window's first block
+        candidates = [i for i in held if i < first_seen]
+        excess = min(len(held) + 1 - self.budget_blocks, len(candidates))
+        if excess <= 0:
+            return []
+        mass = self.mass[seq_id]
+        return sorted(sorted(candidates, key=lambda i: mass.get(i, 0.0))[:excess])
+
+    def fork(self, parent_id, child_id):
+        super().fork(parent_id, child_id)
+        if parent_id in self.done:
+            self.done.add(child_id)
+
+    def forget(self, seq_id):
+        super().forget(seq_id)
+        self.done.discard(seq_id)
+
+
 def make_kv_eviction(config, model_config) -> KVEvictionPolicy | None:
     """The engine's policy for this model, or None (every block kept). config: an EngineConfig."""
     kind = config.kv_eviction
@@ -186,8 +226,12 @@ def make_kv_eviction(config, model_config) -> KVEvictionPolicy | None:
     spec = config.speculative_config
     draft = spec is not None and spec.method == "draft_model"  # its layers attend to every key of the table
     bs, chunk = config.block_size, config.max_num_batched_tokens
-    if kind == "none" or (kind == "auto" and (not all_windowed or draft)):
+    connector = getattr(config, "kv_transfer_config", None) is not None  # chapter 17 moves whole tables
+    if kind == "none" or (kind == "auto" and (not all_windowed or draft or connector)):
         return None
+    if connector:
+        raise ValueError(f"kv_eviction={kind!r} cannot run with kv_transfer_config (a KV connector saves and loads "
+                         "whole block tables): use 'none'")
     if draft:
         raise ValueError(f"kv_eviction={kind!r} cannot share its block tables with a draft model "
                          "(speculative_config method 'draft_model'): use 'none'")
@@ -201,6 +245,8 @@ def make_kv_eviction(config, model_config) -> KVEvictionPolicy | None:
                          f"{windows} (use 'sliding')")
     if kind == "h2o":
         return H2O(config.kv_budget, bs, chunk)
+    if kind == "snapkv":
+        return SnapKV(config.kv_budget, config.snapkv_window, bs, chunk)
     return StreamingLLM(config.sink_tokens, config.kv_budget, bs, chunk)
 
 

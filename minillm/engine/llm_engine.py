@@ -153,8 +153,8 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         self.kv_connector = make_kv_connector(kv, config.block_size, self.sizes.kv_cache_spec) if kv else None
         self.scheduler = Scheduler(config, self.block_manager, self.kv_connector)
         self.has_proposer = spec is not None
-        # overlap pays where a GPU runs beside the host; H2O ranks blocks by the step just run (kv_eviction.py)
-        auto = self.sizes.device.type == "cuda" and config.kv_eviction != "h2o"
+        # overlap pays where a GPU runs beside the host; H2O/SnapKV rank blocks by the step just run (kv_eviction.py)
+        auto = self.sizes.device.type == "cuda" and config.kv_eviction not in ("h2o", "snapkv")
         self.async_scheduling = auto if config.async_scheduling is None else config.async_scheduling
         self._host_sampled: set[str] = set()  # requests the overlapped step cannot sample (overlap_steps.py)
         if spec is not None:

@@ -189,10 +189,12 @@ class Attention(nn.Module):
                           block_table=m.block_table, softmax_scale=self.scale,
                           sliding_window=self.sliding_window, **scales)  # [T, Hq, D]
         ctx = maybe_forward_context()
-        if ctx is not None and (mass := ctx.extras.get("attn_mass")) is not None:
-            # H2O (chapter 15): the probability each cached key got this step, added up over the layers
+        if ctx is not None and (observed := ctx.extras.get("attn_mass")) is not None:
+            # H2O, SnapKV (chapter 15): the probability each cached key got this step, added up over the layers
+            mass, window = observed  # mass: [B, keys]; window: None (every query) or (token indices, cu_seqlens)
+            qs, cu = (q, m.cu_seqlens) if window is None else (q[window[0]], window[1])
             add_mass = _mass.attention_mass if triton else _mass.attention_mass_ref
-            add_mass(mass, q, k_cache, m.block_table, m.seq_lens, m.cu_seqlens, self.scale)  # mass: [B, keys]
+            add_mass(mass, qs, k_cache, m.block_table, m.seq_lens, cu, self.scale)
         return out
 
     def _sdpa(self, q, k, v, positions, attn_metadata) -> torch.Tensor:

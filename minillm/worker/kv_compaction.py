@@ -41,15 +41,34 @@ def compact_tables(table, seq_lens: list[int], block_size: int) -> Compacted:
     return Compacted(out, (lens - evicted).tolist(), evicted.tolist(), order)
 
 
-def block_masses(mass: torch.Tensor, compacted: Compacted, seq_ids: list[int], block_size: int) -> dict:
-    """H2O: a step's attention mass per compacted key [B, W * bs] -> {seq_id: (entries, masses)}, the
-    mass of each kept table entry (its block's keys summed), for the engine's policy (kv_eviction.py)."""
+def block_masses(mass: torch.Tensor, compacted: Compacted, seq_ids: list[int], block_size: int,
+                 rows: list[int] | None = None) -> dict:
+    """H2O, SnapKV: a step's attention mass per compacted key [B, W * bs] -> {seq_id: (entries, masses)},
+    the mass of each kept table entry (its block's keys summed), for the engine's policy (kv_eviction.py).
+    rows: the batch rows that were observed (None: all)."""
     per_block = mass.view(mass.shape[0], -1, block_size).sum(-1).cpu().numpy()  # [B, W]
     out = {}
-    for b, seq_id in enumerate(seq_ids):
+    for b in range(len(seq_ids)) if rows is None else rows:
         n = -(-compacted.seq_lens[b] // block_size)  # kept entries of row b
-        out[seq_id] = (compacted.entries[b, :n].tolist(), per_block[b, :n].tolist())
+        out[seq_ids[b]] = (compacted.entries[b, :n].tolist(), per_block[b, :n].tolist())
     return out
+
+
+def observed_queries(step, window: int):
+    """SnapKV's observation window: the last `window` query tokens of each row that ends its prompt this
+    step (a chunk of several tokens whose last one samples). -> ((token indices [T'], cu_seqlens [B + 1])
+    or None for every query (window 0: H2O), the observed rows)."""
+    if window == 0:
+        return None, None
+    samples = set(step.logits_indices)
+    tokens, cu, rows, end = [], [0], [], 0
+    for b, n in enumerate(step.query_lens):
+        end += n
+        if n > 1 and end - 1 in samples:  # the prompt's last chunk (a decode, n = 1, is not observed)
+            tokens += range(end - min(window, n), end)
+            rows.append(b)
+        cu.append(len(tokens))
+    return (torch.tensor(tokens, dtype=torch.long), torch.tensor(cu, dtype=torch.int32)), rows
 
 
 class SinkRotation:

@@ -22,7 +22,7 @@ from ..layers.backend import get_kernel_mode
 from ..layers.quantization.kv_cache import ensure_kv_scales
 from .block_table import PersistentBlockTable
 from .cuda_graphs import StepGraphs, cuda_graph_sizes, token_buckets
-from .kv_compaction import SinkRotation, block_masses, compact_tables
+from .kv_compaction import SinkRotation, block_masses, compact_tables, observed_queries
 from .model_input import ModelInput
 
 
@@ -69,14 +69,17 @@ class ModelRunner:
         self.block_tables = PersistentBlockTable(config.max_num_seqs, self.max_blocks_per_seq)
         # graphs hold minillm's Triton kernels: MINILLM_KERNELS=torch (the references) runs eagerly
         self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
-                                and get_kernel_mode() != "torch" and getattr(config, "kv_eviction", None) != "h2o")
+                                and get_kernel_mode() != "torch"
+                                and getattr(config, "kv_eviction", None) not in ("h2o", "snapkv"))
         self.graph_sizes = cuda_graph_sizes(config.max_num_seqs, config.cuda_graph_max_batch)
         max_tokens = config.cuda_graph_max_tokens
         self.token_buckets = token_buckets(config.max_num_batched_tokens if max_tokens is None else max_tokens)
         self.max_num_seqs = config.max_num_seqs
         kind = getattr(config, "kv_eviction", None)
-        self.compact_kv = kind in ("streaming", "h2o")  # the kernels read each table without its null entries
-        self.h2o = kind == "h2o"  # the layers also add up each key's attention mass (kernels/attn_mass.py)
+        self.compact_kv = kind in ("streaming", "h2o", "snapkv")  # the kernels read each table without its nulls
+        # the layers also add up each key's attention mass (kernels/attn_mass.py): from every query (H2O), or
+        # from the last snapkv_window queries of a prompt's last chunk (SnapKV's observation window)
+        self.mass_window = {"h2o": 0, "snapkv": getattr(config, "snapkv_window", 0)}.get(kind)
         self.block_mass: dict | None = None  # H2O: the last step's {seq_id: (entries, masses)}
         self.sink_rotation = None  # StreamingLLM with positions within the cache (kv_compaction.py)
         if self.compact_kv and config.kv_positions == "cache":
@@ -115,10 +118,12 @@ class ModelRunner:
         self.bind()
         if step.prev_token_dst and prev_tokens is None:
             raise ValueError("this step takes tokens sampled by the previous one, but none were given")
-        if self.h2o:  # eager (no graphs): the mass buffer is per step
+        if self.mass_window is not None:  # eager (no graphs): the mass buffer is per step
             mass = torch.zeros(len(step.seq_lens), table.shape[1] * self.block_size, device=self.device)  # [B, keys]
-            logits = forward_packed(self.model, self.device, step, prev_tokens, table, extras={"attn_mass": mass})
-            self.block_mass = block_masses(mass, compacted, step.seq_ids, self.block_size)
+            queries, rows = observed_queries(step, self.mass_window)
+            extras = {"attn_mass": (mass, None if queries is None else [t.to(self.device) for t in queries])}
+            logits = forward_packed(self.model, self.device, step, prev_tokens, table, extras=extras)
+            self.block_mass = block_masses(mass, compacted, step.seq_ids, self.block_size, rows)
             return logits
         kv_meta = step.kv_connector_metadata
         if self.kv_connector is not None and kv_meta is not None and kv_meta.has_work:

@@ -101,8 +101,10 @@ ENGINE_FLAGS = [
 # chapter 15: which KV blocks a sequence gives back (engine/kv_eviction.py); `minillm generate` and `chat` take them too
 KV_EVICTION_FLAGS = [
     ("--kv-eviction", "kv_eviction", str, "auto (a model whose every layer slides frees the blocks before its "
-     "window), none, sliding, streaming (attention sinks + recent tokens: StreamingLLM) or h2o (heavy hitters)"),
-    ("--kv-budget", "kv_budget", int, "KV tokens kept per sequence, for --kv-eviction streaming and h2o"),
+     "window), none, sliding, streaming (attention sinks + recent tokens: StreamingLLM), h2o (heavy hitters) or "
+     "snapkv (the prompt blocks its last queries attend to)"),
+    ("--kv-budget", "kv_budget", int, "KV tokens kept per sequence, for --kv-eviction streaming, h2o and snapkv"),
+    ("--snapkv-window", "snapkv_window", int, "snapkv: the prompt's last queries whose attention picks its blocks"),
     ("--sink-tokens", "sink_tokens", int, "streaming: the first tokens, always kept (whole blocks)"),
     ("--kv-positions", "kv_positions", str, "streaming: original (a kept key keeps its position) or cache (its "
      "place among the kept tokens, as the StreamingLLM paper)"),
