@@ -221,7 +221,7 @@ class SnapKV(H2O):
 def make_kv_eviction(config, model_config) -> KVEvictionPolicy | None:
     """The engine's policy for this model, or None (every block kept). config: an EngineConfig."""
     kind = config.kv_eviction
-    windows = list(model_config.sliding_windows)
+    windows = list(getattr(model_config, "sliding_windows", ()))  # (a fake model, executor/fake.py, has none)
     all_windowed = bool(windows) and None not in windows
     spec = config.speculative_config
     draft = spec is not None and spec.method == "draft_model"  # its layers attend to every key of the table
