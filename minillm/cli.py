@@ -14,7 +14,11 @@ import os
 import sys
 from pathlib import Path
 
-from .entrypoints.openai.cli_args import positive_int  # plain argparse: no server package is imported
+from .entrypoints.openai.cli_args import (  # plain argparse: no server package is imported
+    add_kv_eviction_args,
+    kv_eviction_kwargs,
+    positive_int,
+)
 
 
 def _tokenize(args) -> int:
@@ -54,7 +58,8 @@ def _load(args):
     # prefill step, cheaper run eagerly than captured for a single use
     return LLM(args.model, dtype=args.dtype, device=args.device, cuda_graph_max_batch=1, cuda_graph_max_tokens=0,
                kv_cache_dtype=args.kv_cache_dtype, quantization=_quantization(args),
-               speculative_config=_speculative(args), tensor_parallel_size=args.tensor_parallel_size)
+               speculative_config=_speculative(args), tensor_parallel_size=args.tensor_parallel_size,
+               **kv_eviction_kwargs(args))
 
 
 def _speculative(args):
@@ -297,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                        help="split the model over N GPUs (or N CPU processes), one worker process each (chapter 11)")
         add_speculative_args(g)
+        add_kv_eviction_args(g)
         g.set_defaults(fn=_generate if name == "generate" else _chat)
 
     labs = sub.add_parser("labs", help="lab notebooks")

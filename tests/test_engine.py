@@ -114,8 +114,11 @@ def test_pressure_preempts_and_both_modes_finish(seed, tok):
                 for _ in range(4)]
     want = [alone(model, tok, p, sp) for p, sp in requests]
     for mode in ("recompute", "swap"):
+        # kv_eviction="none": a random model may slide on every layer, and freeing the blocks before its
+        # window (the default, chapter 15) would leave no pressure to preempt under
         engine = LLMEngine(model, tok, [], EngineConfig(block_size=4, num_gpu_blocks=14, num_cpu_blocks=40,
-                                                        preemption_mode=mode, max_num_batched_tokens=64))
+                                                        preemption_mode=mode, max_num_batched_tokens=64,
+                                                        kv_eviction="none"))
         for i, (p, sp) in enumerate(requests):
             engine.add_request(str(i), {"prompt_token_ids": p}, sp)
         done = {}
@@ -133,7 +136,8 @@ def test_a_swapped_sequence_that_needs_the_whole_pool_comes_back(seed, tok):
     a = ([rng.randrange(config.vocab_size) for _ in range(4)], SamplingParams(max_tokens=12, temperature=0))
     b = ([rng.randrange(config.vocab_size) for _ in range(12)], SamplingParams(max_tokens=4, temperature=0))
     engine = LLMEngine(model, tok, [], EngineConfig(block_size=4, num_gpu_blocks=5, num_cpu_blocks=8,
-                                                    preemption_mode="swap", max_num_batched_tokens=32))
+                                                    preemption_mode="swap", max_num_batched_tokens=32,
+                                                    kv_eviction="none"))  # (a window would free blocks)
     for rid, (p, sp) in (("a", a), ("b", b)):
         engine.add_request(rid, {"prompt_token_ids": p}, sp)
     done, steps = {}, 0

@@ -16,14 +16,28 @@ The pool of blocks is PagedKVCache's memory; this is its bookkeeping, all on the
     `take_table_changes()`, from which entry, and which were dropped, so the worker can keep its own
     copy of every table and receive only the differences each step (worker/block_table.py).
 
-Block 0 is reserved: padded rows of a CUDA-graph batch point at it, so it is never handed out.
+  * eviction (chapter 15, kv_eviction.py): before a step's slots are made, the entries its policy
+    says no query reads again (sliding windows, StreamingLLM), or that got the least attention (H2O,
+    `observe_attention`), give their blocks back and point at block 0 instead. A sequence holds at
+    most policy.max_blocks(its length) blocks (`max_blocks_held`).
+    Prefix caching with eviction: full blocks are named as they fill, as always; once a sequence has
+    evicted entries it names no further block (a block's name is the chain of everything before it,
+    which the sequence no longer holds), so prefix hits reach at most up to where its eviction began.
+    A sequence admitted with hits takes only the hit blocks its policy keeps (the others point at block
+    0 from the start). With the radix cache, named blocks are not given back before the sequence ends
+    (a tree node may only be unused if its subtree is) and hits are taken whole, so the bound grows by
+    the named blocks a sequence holds. A sequence with evicted entries is preempted by recompute, never swapped.
+
+Block 0 is reserved: padded rows of a CUDA-graph batch point at it, so it is never handed out, and
+evicted table entries point at it (it is never written: it holds zeros).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from .prefix_cache import PrefixCache
+from .kv_eviction import NULL_BLOCK, KVEvictionPolicy
+from .prefix_cache import PrefixCache, RadixPrefixCache
 from .stats import EngineStats
 
 
@@ -34,7 +48,7 @@ def cdiv(a: int, b: int) -> int:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
                  prefix_cache: PrefixCache | None = None, stats: EngineStats | None = None,
-                 track_changes: bool = False):
+                 track_changes: bool = False, eviction: KVEvictionPolicy | None = None):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), not {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -51,6 +65,9 @@ class BlockManager:
         self.track_changes = track_changes
         self._changed_from: dict[int, int] = {}  # seq_id -> first table entry changed since the last take
         self._dropped: set[int] = set()  # seq_ids whose table went away (freed, swapped out)
+        self.eviction = eviction
+        self._evicted_upto: dict[int, int] = {}  # seq_id -> entries [eviction.lo, this) point at NULL_BLOCK
+        self._held: dict[int, list[int]] = {}  # seq_id -> named blocks evicted from its table, held (radix)
 
     # ---- change tracking (chapter 13) ------------------------------------------------------------
 
@@ -96,6 +113,15 @@ class BlockManager:
         return self.num_blocks - 1 - self.num_free_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
+        """Table entries of a sequence of num_tokens tokens (evicted ones included)."""
+        return cdiv(num_tokens, self.block_size)
+
+    def max_blocks_held(self, num_tokens: int) -> int:
+        """Pool blocks a sequence of up to num_tokens tokens holds at once: all of its table's, unless its
+        eviction policy gives some back (check_request's "can it ever fit")."""
+        eviction = getattr(self, "eviction", None)  # (core_process's _Pool borrows this method)
+        if eviction is not None:
+            return eviction.max_blocks(num_tokens)
         return cdiv(num_tokens, self.block_size)
 
     # ---- prefix cache ----------------------------------------------------------------------------
@@ -118,6 +144,8 @@ class BlockManager:
         sequences can find them."""
         if self.prefix_cache is not None:
             full = num_computed // self.block_size
+            if seq_id in self._evicted_upto:  # its chain is broken from the policy's lo on
+                full = min(full, self.eviction.lo)
             self.prefix_cache.insert(token_ids, self.block_tables[seq_id][:full], extra_key)
 
     # ---- allocation ------------------------------------------------------------------------------
@@ -126,6 +154,13 @@ class BlockManager:
         """Make room for tokens [num_tokens - num_new, num_tokens) of a sequence; False (and nothing
         changed) if the pool cannot. computed_blocks: prefix-cache hits, for a sequence's first call."""
         table = self.block_tables.get(seq_id, [])
+        hits_upto = 0  # prefix hits [lo, hits_upto) the policy does not keep
+        if self.eviction is not None and table:  # dead entries go first (even if this call fails: they are dead)
+            self._evict(seq_id, table, num_tokens - num_new)
+        elif self.eviction is not None and computed_blocks and not isinstance(self.prefix_cache, RadixPrefixCache):
+            lo, hi = self.eviction.evictable(num_tokens - num_new)
+            hits_upto = min(hi, len(computed_blocks))
+            computed_blocks = [NULL_BLOCK if lo <= i < hi else b for i, b in enumerate(computed_blocks)]
         if num_new == 1 and not computed_blocks:  # the common case, a decode: room in an unshared last block?
             i = (num_tokens - 1) // self.block_size
             if i < len(table) and self.ref_counts[table[i]] == 1:
@@ -136,11 +171,15 @@ class BlockManager:
         new = max(0, self.blocks_needed(num_tokens) - have)
         first, last = (num_tokens - num_new) // self.block_size, (num_tokens - 1) // self.block_size
         cow = [i for i in range(first, min(last + 1, len(table))) if self.ref_counts[table[i]] > 1]
-        revived = [b for b in computed_blocks if self.ref_counts[b] == 0]  # evictable now, taken back
+        # evictable now, taken back (NULL_BLOCK: a hit the policy does not keep)
+        revived = [b for b in computed_blocks if b != NULL_BLOCK and self.ref_counts[b] == 0]
         if new + len(cow) + len(revived) > self.num_free_blocks:
             return False
         for b in computed_blocks:
-            self._take(b)
+            if b != NULL_BLOCK:
+                self._take(b)
+        if hits_upto > self.eviction_lo:
+            self._evicted_upto[seq_id] = hits_upto
         table = self.block_tables.setdefault(seq_id, [])
         if computed_blocks or cow or new:
             self._changed(seq_id, min(cow, default=len(table)))
@@ -153,6 +192,37 @@ class BlockManager:
         table.extend(self._new_block() for _ in range(new))
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, self.num_used_blocks)
         return True
+
+    @property
+    def eviction_lo(self) -> int:
+        return self.eviction.lo if self.eviction is not None else 0
+
+    def _evict(self, seq_id: int, table: list[int], start: int) -> None:
+        """The entries the policy names for the step at `start` give their blocks back (kv_eviction.py)."""
+        victims = self.eviction.victims(seq_id, table, start, self._evicted_upto.get(seq_id))
+        victims = [i for i in victims if table[i] != NULL_BLOCK]  # entries null already stay so
+        if not victims:
+            return
+        keep_named = isinstance(self.prefix_cache, RadixPrefixCache)
+        for i in victims:
+            # A radix tree counts an unused node as evictable only if its subtree is unused too: a named
+            # block stays held until the sequence lets go of its named children. A window masks its K/V
+            # (the entry stays); a compacting policy must not see it (held aside, the entry nulled).
+            if keep_named and table[i] in self.prefix_cache:
+                if not self.eviction.compacts:
+                    continue
+                self._held.setdefault(seq_id, []).append(table[i])
+            else:
+                self._drop(table[i])
+            table[i] = NULL_BLOCK
+        self._evicted_upto[seq_id] = max(self._evicted_upto.get(seq_id, 0), victims[-1] + 1)
+        self._changed(seq_id, victims[0])
+
+    def observe_attention(self, block_mass: dict) -> None:
+        """A step's attention mass per kept table entry, {seq_id: (entries, masses)}, for the policy (H2O)."""
+        for seq_id, (entries, masses) in block_mass.items():
+            if seq_id in self.block_tables:
+                self.eviction.observe(seq_id, entries, masses)
 
     def trim(self, seq_id: int, num_tokens: int) -> None:
         """Give back the blocks past the first num_tokens tokens (chapter 09: slots reserved for draft
@@ -168,12 +238,26 @@ class BlockManager:
         """The child shares every block of the parent (copy-on-write later)."""
         table = self.block_tables[parent_id]
         for b in table:
-            self.ref_counts[b] += 1
+            if b != NULL_BLOCK:
+                self.ref_counts[b] += 1
         self.block_tables[child_id] = list(table)
+        if parent_id in self._evicted_upto:
+            self._evicted_upto[child_id] = self._evicted_upto[parent_id]
+        if parent_id in self._held:
+            self._held[child_id] = list(self._held[parent_id])
+            for b in self._held[child_id]:
+                self.ref_counts[b] += 1
+        if self.eviction is not None:
+            self.eviction.fork(parent_id, child_id)
         self._changed(child_id, 0)
 
     def free(self, seq_id: int) -> None:
         self._gone(seq_id)
+        self._evicted_upto.pop(seq_id, None)
+        if self.eviction is not None:
+            self.eviction.forget(seq_id)
+        for b in reversed(self._held.pop(seq_id, [])):  # named descendants of the table's named head
+            self._drop(b)
         for b in reversed(self.block_tables.pop(seq_id, [])):  # tail first: the prefix stays cached longest
             self._drop(b)
         for b in self.cpu_tables.pop(seq_id, []):
@@ -195,6 +279,8 @@ class BlockManager:
         self.ref_counts[b] += 1
 
     def _drop(self, b: int) -> None:
+        if b == NULL_BLOCK:  # an evicted entry holds nothing
+            return
         self.ref_counts[b] -= 1
         if self.ref_counts[b] == 0:
             if self.prefix_cache is not None and b in self.prefix_cache:
@@ -205,6 +291,8 @@ class BlockManager:
     # ---- swapping --------------------------------------------------------------------------------
 
     def can_swap_out(self, seq_id: int) -> bool:
+        if seq_id in self._evicted_upto:  # null entries: recompute instead (kv_eviction.py)
+            return False
         return len(self.block_tables.get(seq_id, [])) <= len(self.free_cpu_blocks)
 
     def swap_out(self, seq_id: int) -> list[tuple[int, int]]:

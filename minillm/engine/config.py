@@ -65,6 +65,19 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # KV eviction (chapter 15, engine/kv_eviction.py): "auto" frees the blocks a model whose every layer has
+    # a sliding window will never read again (exact), "sliding" insists on it, "none" keeps every block;
+    # "streaming" (StreamingLLM) keeps the first sink_tokens (whole blocks) and the most recent tokens, up
+    # to kv_budget tokens in all, for unbounded generation in constant memory (an approximation); "h2o"
+    # keeps kv_budget tokens: the recent half and the blocks that got the most attention (heavy hitters);
+    # "snapkv" keeps, once the prompt is in, the prompt blocks its last snapkv_window queries attend to most.
+    # kv_positions (streaming only): "original" scores a kept key at the position it was written at, "cache"
+    # at its place among the kept tokens, as the paper does (worker/kv_compaction.py SinkRotation)
+    kv_eviction: str = "auto"
+    sink_tokens: int = 4
+    kv_budget: int | None = None
+    kv_positions: str = "original"
+    snapkv_window: int = 16  # "snapkv": the prompt's last queries whose attention picks its blocks
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_batch"):
@@ -107,6 +120,7 @@ class EngineConfig:
         elif self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): every "
                              "adapter in a GPU slot has its CPU copy")
+        self._check_kv_eviction()
         kv_cache_torch_dtype(self.kv_cache_dtype)  # an unknown name fails here, before any model is touched
         if self.kv_transfer_config is not None:
             self.kv_transfer_config = KVTransferConfig.from_dict(self.kv_transfer_config)
@@ -115,6 +129,41 @@ class EngineConfig:
             if spec.num_speculative_tokens + 1 > self.max_num_batched_tokens:
                 raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} does not "
                                  f"fit a step of max_num_batched_tokens={self.max_num_batched_tokens} beside its token")
+
+    def _check_kv_eviction(self) -> None:
+        check_choice("kv_eviction", self.kv_eviction, ("auto", "none", "sliding", "streaming", "h2o", "snapkv"))
+        check_int("sink_tokens", self.sink_tokens, 0)
+        check_int("kv_budget", self.kv_budget, optional=True)
+        kind = self.kv_eviction
+        check_int("snapkv_window", self.snapkv_window)
+        if kind in ("streaming", "h2o", "snapkv") and self.kv_budget is None:
+            raise ValueError(f"kv_eviction={kind!r} needs kv_budget (tokens kept per sequence)")
+        if kind == "streaming":
+            sink = -(-self.sink_tokens // self.block_size) * self.block_size
+            if self.kv_budget < sink + self.block_size:
+                raise ValueError(f"kv_budget={self.kv_budget} must hold the sink block(s) ({sink} tokens for "
+                                 f"sink_tokens={self.sink_tokens}) and at least one recent block of "
+                                 f"block_size={self.block_size}")
+        elif kind in ("h2o", "snapkv"):
+            if self.kv_budget < 2 * self.block_size:
+                raise ValueError(f"kv_budget={self.kv_budget} must hold at least 2 blocks of block_size="
+                                 f"{self.block_size} (chosen blocks and a recent window) for kv_eviction={kind!r}")
+            # they rank blocks by the attention queries gave them: a draft's rejected tokens would add theirs,
+            # an overlapped step would rank with a stale sum, and (H2O, every query) a prefix hit skips some
+            off = {"speculative_config": self.speculative_config, "async_scheduling": self.async_scheduling or None}
+            if kind == "h2o":
+                off["enable_prefix_caching"] = self.enable_prefix_caching
+            for field, value in off.items():
+                if value is not None:
+                    raise ValueError(f"kv_eviction={kind!r} cannot run with {field}={value!r}: leave it off")
+            if kv_cache_torch_dtype(self.kv_cache_dtype) is not None:
+                raise ValueError(f"kv_eviction={kind!r} reads keys as floats; kv_cache_dtype={self.kv_cache_dtype!r} "
+                                 "is quantized: use 'auto'")
+        elif self.kv_budget is not None:
+            raise ValueError(f"kv_budget is for kv_eviction='streaming', 'h2o' or 'snapkv', not {kind!r}")
+        check_choice("kv_positions", self.kv_positions, ("original", "cache"))
+        if self.kv_positions == "cache" and kind != "streaming":
+            raise ValueError(f"kv_positions='cache' is for kv_eviction='streaming', not {kind!r}")
 
     def resolve(self, model, draft_model=None) -> ResolvedSizes:
         """The sizes this config means for this model, worked out once: the context, the KV pool on the

@@ -129,6 +129,7 @@ class _Pool:
         self.num_blocks, self.block_size = num_blocks, block_size
 
     blocks_needed = BlockManager.blocks_needed
+    max_blocks_held = BlockManager.max_blocks_held  # (no eviction policy here: every block counts)
 
 
 def run_core_process(make_engine, warm_up, cmd_conn, out_conn, log_level: int) -> None:

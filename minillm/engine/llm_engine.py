@@ -69,6 +69,7 @@ from ..spec_decode.draft_model import load_draft_model
 from ..worker.model_input import ModelInput
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .kv_eviction import make_kv_eviction, reserved_blocks
 from .overlap_steps import OverlapSteps, needs_host_sampling
 from .prefix_cache import make_prefix_cache
 from .scheduler import Scheduler, SchedulerOutput
@@ -145,9 +146,14 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         executor.initialize_cache(num_gpu_blocks, num_cpu_blocks, progress)
         self.sizes = executor.sizes
         self.engine_stats = EngineStats()  # every counter of the engine's parts, in one object
-        self.block_manager = BlockManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
+        reserved = reserved_blocks(config)  # the worker's own blocks at the pool's end (chapter 15)
+        if num_gpu_blocks - reserved < 2:
+            raise ValueError(f"num_gpu_blocks={num_gpu_blocks} leaves no room beside the {reserved} blocks "
+                             f"kv_positions='cache' keeps for rotated sinks (sink blocks x max_num_seqs)")
+        self.block_manager = BlockManager(num_gpu_blocks - reserved, config.block_size, num_cpu_blocks,
                                           make_prefix_cache(config.enable_prefix_caching, config.block_size),
-                                          self.engine_stats, track_changes=True)  # the worker keeps the tables
+                                          self.engine_stats, track_changes=True,  # the worker keeps the tables
+                                          eviction=make_kv_eviction(config, model.config))
         kv = config.kv_transfer_config  # chapter 17: the scheduler's side of the connector
         if kv is not None and not isinstance(executor, UniprocExecutor):  # each rank holds a slice of the heads
             raise ValueError("kv_transfer_config needs a one-worker engine (tensor_parallel_size=1): a KV connector "
@@ -155,7 +161,8 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         self.kv_connector = make_kv_connector(kv, config.block_size, self.sizes.kv_cache_spec) if kv else None
         self.scheduler = Scheduler(config, self.block_manager, self.kv_connector)
         self.has_proposer = spec is not None
-        auto = self.sizes.device.type == "cuda"  # overlap pays where a GPU runs beside the host
+        # overlap pays where a GPU runs beside the host; H2O/SnapKV rank blocks by the step just run (kv_eviction.py)
+        auto = self.sizes.device.type == "cuda" and config.kv_eviction not in ("h2o", "snapkv")
         self.async_scheduling = auto if config.async_scheduling is None else config.async_scheduling
         self._host_sampled: set[str] = set()  # requests the overlapped step cannot sample (overlap_steps.py)
         if spec is not None:
@@ -208,7 +215,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"request {request_id!r} asks for n={params.n} sequences, but the engine runs at most "
                              f"max_num_seqs={self.config.max_num_seqs} at once; lower n or raise max_num_seqs")
-        need, have = self.block_manager.blocks_needed(longest), self.block_manager.num_blocks - 1
+        need, have = self.block_manager.max_blocks_held(longest), self.block_manager.num_blocks - 1
         if need > have:
             raise ValueError(f"request {request_id!r} may grow to {longest} tokens = {need} KV blocks, but the pool "
                              f"has {have}; lower max_tokens or give the engine more blocks")
@@ -314,6 +321,8 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
             return failed + self._fail({self._group_of[s.seq_id]: e for s, _ in sched.scheduled})
         if out.kv_stats is not None:
             self.engine_stats.kv.add(out.kv_stats)
+        if out.kv_block_mass:  # H2O (chapter 15): what each kept block was attended with this step
+            self.block_manager.observe_attention(out.kv_block_mass)
         self._advance(sched)
         if not samplers:  # only prompt chunks ran: their K/V are cached, nothing to sample yet
             return failed

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..cache.spec import KVCacheSpec
 from ..forward_context import maybe_forward_context
+from ..kernels import attn_mass as _mass
 from ..kernels import flash_attn, flash_decode
 from ..kernels import store_kv as _store
 from ..kernels.checks import KV_QUANT_DTYPES
@@ -180,12 +181,21 @@ class Attention(nn.Module):
         triton = use_triton(q)
         if m.max_seqlen == 1:  # decode: one query per sequence over its whole cached past
             decode = flash_decode.flash_decode if triton else flash_decode.flash_decode_ref
-            return decode(q, k_cache, v_cache, m.seq_lens, m.block_table, softmax_scale=self.scale,
-                          sliding_window=self.sliding_window, **scales)  # [B, Hq, D]
-        prefill = flash_attn.flash_attn_varlen if triton else flash_attn.flash_attn_varlen_ref
-        return prefill(q, k_cache, v_cache, m.cu_seqlens, m.max_seqlen, seqused_k=m.seq_lens,
-                       block_table=m.block_table, softmax_scale=self.scale,
-                       sliding_window=self.sliding_window, **scales)  # [T, Hq, D]
+            out = decode(q, k_cache, v_cache, m.seq_lens, m.block_table, softmax_scale=self.scale,
+                         sliding_window=self.sliding_window, **scales)  # [B, Hq, D]
+        else:
+            prefill = flash_attn.flash_attn_varlen if triton else flash_attn.flash_attn_varlen_ref
+            out = prefill(q, k_cache, v_cache, m.cu_seqlens, m.max_seqlen, seqused_k=m.seq_lens,
+                          block_table=m.block_table, softmax_scale=self.scale,
+                          sliding_window=self.sliding_window, **scales)  # [T, Hq, D]
+        ctx = maybe_forward_context()
+        if ctx is not None and (observed := ctx.extras.get("attn_mass")) is not None:
+            # H2O, SnapKV (chapter 15): the probability each cached key got this step, added up over the layers
+            mass, window = observed  # mass: [B, keys]; window: None (every query) or (token indices, cu_seqlens)
+            qs, cu = (q, m.cu_seqlens) if window is None else (q[window[0]], window[1])
+            add_mass = _mass.attention_mass if triton else _mass.attention_mass_ref
+            add_mass(mass, qs, k_cache, m.block_table, m.seq_lens, cu, self.scale)
+        return out
 
     def _sdpa(self, q, k, v, positions, attn_metadata) -> torch.Tensor:
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, T, head_dim]

@@ -61,6 +61,7 @@ class ModelRunnerOutput:
     pending: Any = None  # SampledTokens on their way to the host (on_device steps)
     logits: Any = None  # [rows, V] when the step asked for no sampling (tests, labs, chapter 09's bench)
     kv_stats: Any = None  # chapter 17: KVTransferStats of the step's KV loads and saves (None: no connector)
+    kv_block_mass: dict | None = None  # H2O (chapter 15): {seq_id: (table entries, attention mass)} of the step
 
 
 @dataclass

@@ -10,6 +10,8 @@ padded to a token bucket).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..cache.paged import PagedKVCache
@@ -20,6 +22,7 @@ from ..layers.backend import get_kernel_mode
 from ..layers.quantization.kv_cache import ensure_kv_scales
 from .block_table import PersistentBlockTable
 from .cuda_graphs import StepGraphs, cuda_graph_sizes, token_buckets
+from .kv_compaction import SinkRotation, block_masses, compact_tables, observed_queries
 from .model_input import ModelInput
 
 
@@ -44,11 +47,12 @@ def token_lora_slots(step: ModelInput) -> list[int] | None:
 
 
 def forward_packed(model, device, step: ModelInput, prev_tokens: torch.Tensor | None = None,
-                   block_table=None, kv_connector=None) -> torch.Tensor:
+                   block_table=None, kv_connector=None, extras: dict | None = None) -> torch.Tensor:
     """One eager forward pass over a ModelInput; -> logits [len(step.logits_indices), vocab] fp32.
     block_table: the step's [B, W] table when the worker keeps the tables (else step.block_table).
     kv_connector: chapter 17's worker side, bound to the step's work; its attention hooks run inside.
-    The forward context carries each token's adapter slot (lora_mapping [T]) when some have one."""
+    The forward context carries each token's adapter slot (lora_mapping [T]) when some have one;
+    extras: the forward context's (H2O's attention-mass buffer)."""
     meta = AttentionMetadata.from_seq_lens(step.query_lens, device)
     meta.seq_lens = torch.tensor(step.seq_lens, dtype=torch.int32, device=device)  # [B]
     table = step.block_table if block_table is None else block_table
@@ -58,7 +62,7 @@ def forward_packed(model, device, step: ModelInput, prev_tokens: torch.Tensor | 
     take_prev_tokens(input_ids, step, prev_tokens)
     slots = token_lora_slots(step)
     lora_mapping = None if slots is None else torch.tensor(slots, dtype=torch.int32, device=device)  # [T]
-    with set_forward_context(meta, kv_connector=kv_connector, lora_mapping=lora_mapping):
+    with set_forward_context(meta, kv_connector=kv_connector, lora_mapping=lora_mapping, extras=extras or {}):
         hidden = model(input_ids, torch.tensor(step.positions, device=device), meta)  # [T, hidden]
     rows = torch.tensor(step.logits_indices, dtype=torch.long, device=device)  # [rows]
     return model.compute_logits(hidden[rows])  # [rows, vocab]
@@ -75,11 +79,22 @@ class ModelRunner:
         self.block_tables = PersistentBlockTable(config.max_num_seqs, self.max_blocks_per_seq)
         # graphs hold minillm's Triton kernels: MINILLM_KERNELS=torch (the references) runs eagerly
         self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
-                                and get_kernel_mode() != "torch")
+                                and get_kernel_mode() != "torch"
+                                and getattr(config, "kv_eviction", None) not in ("h2o", "snapkv"))
         self.graph_sizes = cuda_graph_sizes(config.max_num_seqs, config.cuda_graph_max_batch)
         max_tokens = config.cuda_graph_max_tokens
         self.token_buckets = token_buckets(config.max_num_batched_tokens if max_tokens is None else max_tokens)
         self.max_num_seqs = config.max_num_seqs
+        kind = getattr(config, "kv_eviction", None)
+        self.compact_kv = kind in ("streaming", "h2o", "snapkv")  # the kernels read each table without its nulls
+        # the layers also add up each key's attention mass (kernels/attn_mass.py): from every query (H2O), or
+        # from the last snapkv_window queries of a prompt's last chunk (SnapKV's observation window)
+        self.mass_window = {"h2o": 0, "snapkv": getattr(config, "snapkv_window", 0)}.get(kind)
+        self.block_mass: dict | None = None  # H2O: the last step's {seq_id: (entries, masses)}
+        self.sink_rotation = None  # StreamingLLM with positions within the cache (kv_compaction.py)
+        if self.compact_kv and config.kv_positions == "cache":
+            sink_blocks = -(-config.sink_tokens // self.block_size)
+            self.sink_rotation = SinkRotation(model, cache, sink_blocks, config.max_num_seqs)
         spec = config.speculative_config  # chapter 09: a verify wants logits at 1 + k rows per sequence
         self.logits_per_seq = 1 + spec.num_speculative_tokens if spec is not None else 1
         self.enable_lora = getattr(config, "enable_lora", False)  # graphs then carry a per-token slot buffer
@@ -105,9 +120,22 @@ class ModelRunner:
         per sequence, one per draft token). prev_tokens: the previous step's sampled tokens on the
         device, for the rows step.prev_token_dst names (overlap scheduling)."""
         table = self.step_block_table(step)  # first: the table changes must land whatever happens next
+        if self.compact_kv:  # StreamingLLM (chapter 15): the kernels read the kept blocks only
+            compacted = compact_tables(table, step.seq_lens, self.block_size)
+            table = compacted.table
+            step = dataclasses.replace(step, seq_lens=compacted.seq_lens)
+            if self.sink_rotation is not None:
+                table = self.sink_rotation.apply(table, compacted.evicted)
         self.bind()
         if step.prev_token_dst and prev_tokens is None:
             raise ValueError("this step takes tokens sampled by the previous one, but none were given")
+        if self.mass_window is not None:  # eager (no graphs): the mass buffer is per step
+            mass = torch.zeros(len(step.seq_lens), table.shape[1] * self.block_size, device=self.device)  # [B, keys]
+            queries, rows = observed_queries(step, self.mass_window)
+            extras = {"attn_mass": (mass, None if queries is None else [t.to(self.device) for t in queries])}
+            logits = forward_packed(self.model, self.device, step, prev_tokens, table, extras=extras)
+            self.block_mass = block_masses(mass, compacted, step.seq_ids, self.block_size, rows)
+            return logits
         kv_meta = step.kv_connector_metadata
         if self.kv_connector is not None and kv_meta is not None and kv_meta.has_work:
             return self._execute_with_transfers(step, prev_tokens, table, kv_meta)

@@ -84,6 +84,7 @@ class Worker:
         if self.kv_connector is not None:  # chapter 17: what this step's transfers moved
             out.kv_stats = self.kv_connector.take_stats()
         self.last_sampled = on_device if on_device is not None else self.last_sampled
+        out.kv_block_mass = self.runner.block_mass  # H2O/SnapKV's per-block attention (None otherwise)
         return out
 
     def swap_and_copy(self, swap_out, swap_in, copies) -> None:

@@ -185,7 +185,8 @@ class KVConnectorBase(ABC):
         self._loads = []
         for seq, n in scheduled:
             p = remote_params(seq)
-            if not p or not p.get("do_remote_decode"):
+            # a one-token prompt has nothing to send: the consumer computes its only token itself
+            if not p or not p.get("do_remote_decode") or len(seq.prompt_ids) <= 1:
                 continue
             num_prompt = len(seq.prompt_ids)
             start = self._saved_upto.get(seq.seq_id, 0)  # prefix-cache hits were not computed: saved from the cache
@@ -206,6 +207,8 @@ class KVConnectorBase(ABC):
         p = remote_params(seq)
         if not p or not p.get("do_remote_decode"):
             return False, None
+        if len(seq.prompt_ids) <= 1 and seq.finish_reason not in ("abort", "error"):  # nothing to send
+            return False, {"do_remote_prefill": True, "transfer_id": p["transfer_id"]}
         key = self._key(seq, p)
         if saved < len(seq.prompt_ids) or seq.finish_reason in ("abort", "error"):  # nothing whole to publish
             self.discard(key)

@@ -102,6 +102,28 @@ ENGINE_FLAGS = [
     ("--max-lora-rank", "max_lora_rank", int, "the largest adapter rank served"),
     ("--max-cpu-loras", "max_cpu_loras", int, "adapters kept read on the CPU (default: --max-loras)"),
 ]
+# chapter 15: which KV blocks a sequence gives back (engine/kv_eviction.py); `minillm generate` and `chat` take them too
+KV_EVICTION_FLAGS = [
+    ("--kv-eviction", "kv_eviction", str, "auto (a model whose every layer slides frees the blocks before its "
+     "window), none, sliding, streaming (attention sinks + recent tokens: StreamingLLM), h2o (heavy hitters) or "
+     "snapkv (the prompt blocks its last queries attend to)"),
+    ("--kv-budget", "kv_budget", int, "KV tokens kept per sequence, for --kv-eviction streaming, h2o and snapkv"),
+    ("--snapkv-window", "snapkv_window", int, "snapkv: the prompt's last queries whose attention picks its blocks"),
+    ("--sink-tokens", "sink_tokens", int, "streaming: the first tokens, always kept (whole blocks)"),
+    ("--kv-positions", "kv_positions", str, "streaming: original (a kept key keeps its position) or cache (its "
+     "place among the kept tokens, as the StreamingLLM paper)"),
+]
+ENGINE_FLAGS += KV_EVICTION_FLAGS
+
+
+def add_kv_eviction_args(p: argparse.ArgumentParser) -> None:
+    for flag, field, kind, text in KV_EVICTION_FLAGS:
+        p.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS, help=text)
+
+
+def kv_eviction_kwargs(args: argparse.Namespace) -> dict:
+    """The chapter-15 EngineConfig fields given on the command line."""
+    return {field: getattr(args, field) for _, field, _, _ in KV_EVICTION_FLAGS if hasattr(args, field)}
 
 
 def _lora_module(value: str) -> tuple[str, str]:
