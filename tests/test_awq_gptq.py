@@ -223,6 +223,7 @@ def test_folds_leave_the_block_unchanged(tmp_path, g):
 # ---- lab 08: the solution passes its checks, classic slips fail --------------------------------------
 
 
+@pytest.mark.slow
 def test_lab08_checks_pass_the_solution_and_catch_slips():
     from test_labs_engine import fails, solution
 

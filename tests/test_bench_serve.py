@@ -138,6 +138,7 @@ def server(tiny_chat_model, tmp_path_factory):
         yield s
 
 
+@pytest.mark.slow
 def test_random_workload_against_minillm(server, tiny_chat_model):
     from serve_utils import total
 

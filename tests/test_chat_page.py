@@ -122,6 +122,7 @@ def server(tiny_chat_model, tmp_path_factory):
         yield s
 
 
+@pytest.mark.slow
 def test_page_is_served_without_cdn(server):
     r = httpx.get(f"{server.base}/", timeout=10)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")

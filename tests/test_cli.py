@@ -125,6 +125,7 @@ def test_chat_eof_and_invalid_utf8_end_cleanly():
     assert out.count(b"assistant> ") == 1 and out.endswith(b"you> \n")
 
 
+@pytest.mark.slow
 def test_chat_with_stdin_at_eof_or_closed_exits_0():
     import shlex
     import subprocess
@@ -140,6 +141,7 @@ def test_chat_with_stdin_at_eof_or_closed_exits_0():
     assert r.returncode == 0 and b"Traceback" not in r.stderr and b"stdin is closed" in r.stderr, r.stderr.decode()
 
 
+@pytest.mark.slow
 def test_chat_ctrl_c_exits_0():
     import signal
 
@@ -150,6 +152,7 @@ def test_chat_ctrl_c_exits_0():
     assert p.returncode == 0 and b"Traceback" not in err and b"KeyboardInterrupt" not in err, err.decode()
 
 
+@pytest.mark.slow
 def test_chat_broken_pipe_stops_silently():
     p = _chat_process("--max-tokens", "64", "--temperature", "1.0")
     _wait_for_prompt(p)

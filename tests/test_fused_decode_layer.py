@@ -64,6 +64,7 @@ def _launches_per_layer(arch: str, seed: int) -> tuple[float, Counter]:
 
 @pytest.mark.skipif(not INTERPRETED, reason="counts the interpreter's launches (the GPU test counts kernels)")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.slow
 def test_kernels_per_decode_layer(seed, arch, monkeypatch):
     monkeypatch.setattr(layernorm, "_skinny_on", True)  # whatever MINILLM_SKINNY_GEMM says
     n, which = _launches_per_layer(arch, seed)

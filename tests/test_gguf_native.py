@@ -115,6 +115,7 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
         return model.compute_logits(model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), meta))
 
 
+@pytest.mark.slow
 def test_embedded_model_stays_packed_and_in_its_files_size(both):
     dense, packed = both
     layers = packed.model.model.layers

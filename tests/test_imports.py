@@ -124,6 +124,7 @@ print("RESULTS " + json.dumps(results))
 # ---- 1: each module imported first --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_module_imports_first_in_a_fresh_process():
     names = module_names()
     assert "minillm.layers.quantization.gguf" in names and "minillm.kernels.w4a16" in names

@@ -54,6 +54,7 @@ SHAPES = [(1, 8, 2), (2, 64, 6), (7, 64, 6), (33, 8, 8), (222, 64, 6)]  # (1, 8,
 
 
 @pytest.mark.parametrize("M,E,top_k", SHAPES)
+@pytest.mark.slow
 def test_fused_moe_matches_the_per_expert_loop(seed, M, E, top_k):
     g = torch.Generator().manual_seed(seed)
     H, I = (48, 40) if INTERPRETED else (2048, 1408)  # odd tiles on the CPU; DeepSeek-V2-Lite's on a GPU

@@ -324,6 +324,7 @@ def _run_engine(engine: LLMEngine, requests) -> list[list[list[int]]]:
 
 @pytest.mark.parametrize("config", [TINY, TINY_TIED], ids=["untied", "tied"])
 @pytest.mark.parametrize("spec", ["int8", {"method": "int4", "group_size": 64}], ids=_name)
+@pytest.mark.slow
 def test_engine_matches_one_request_at_a_time_quantized(spec, config, seed):
     """Batching, chunking, swapping and prefix hits with a quantized model, its LM head int8 (and, tied,
     its embedding: lm_head.py): each request's tokens are its tokens alone (the reference path on a CPU)."""

@@ -74,6 +74,7 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])  # True: the last step's tokens go to rank 1 too
+@pytest.mark.slow
 def test_tp2_engine_makes_the_tokens_of_tp1(tiny, async_scheduling):
     prompts, steps = _prompts(random.randrange(1 << 30)), 24
     with LLM(tiny, **ENGINE) as ref:
