@@ -102,14 +102,16 @@ def test_required_calls_follow_their_own_tools_schema(client, seed, parallel):
     body = _body("required", temperature=1.0, seed=seed, n=3, parallel_tool_calls=parallel)
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
-    got = {}
+    got, finished = {}, {}
     for c in r.json()["choices"]:
-        assert c["finish_reason"] == "tool_calls", c
-        got[c["index"]] = _calls_of(c["message"]["tool_calls"])
+        # parallel calls form an open list: a sampled answer may go on adding calls until max_tokens cuts it
+        # ("length"); the calls it finished are still returned, and must follow their schemas
+        assert c["finish_reason"] == "tool_calls" or (parallel and c["finish_reason"] == "length"), c
+        got[c["index"]], finished[c["index"]] = _calls_of(c["message"]["tool_calls"]), c["finish_reason"]
         _check_calls(got[c["index"]])
         assert parallel or len(got[c["index"]]) == 1
     streamed, reasons = _streamed_calls(client, body)
-    assert streamed == got and set(reasons.values()) == {"tool_calls"}
+    assert streamed == got and reasons == finished
 
 
 def test_required_greedy_and_none(client):
