@@ -87,12 +87,16 @@ def test_runs_of_consecutive_slots_are_one_copy():
     assert runs([(0, 5), (1, 6), (2, 7), (3, 2), (4, 3), (5, 9)]) == [(0, 5, 3), (3, 2, 2), (5, 9, 1)]
 
 
-def test_the_store_copies_every_layer_out_and_back():
-    """The CPU path of cache/offload.py on fresh random K/V: saved blocks come back bit for bit, in the
-    order the module states (a restore reads a slot saved in the same call, into the block just saved)."""
-    torch.manual_seed(0)
-    ks = [torch.randn(6, BS, 2, 8), torch.randn(6, BS, 1, 4).to(torch.bfloat16)]
-    vs = [torch.randn(6, BS, 2, 8), None]  # a layer with no separate V (MLA)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU: the side stream, pinned memory and events"))])
+def test_the_store_copies_every_layer_out_and_back(seed, device):
+    """cache/offload.py on fresh random K/V: saved blocks come back bit for bit, in the order the module
+    states (a restore reads a slot saved in the same call, into the block just saved). On a GPU the
+    copies run on the side stream, and the default stream's next work (the reads here) waits for them."""
+    g = torch.Generator().manual_seed(seed)
+    ks = [torch.randn(6, BS, 2, 8, generator=g), torch.randn(6, BS, 1, 4, generator=g).to(torch.bfloat16)]
+    vs = [torch.randn(6, BS, 2, 8, generator=g), None]  # a layer with no separate V (MLA)
+    ks, vs = [t.to(device) for t in ks], [t.to(device) if t is not None else None for t in vs]
     before = [t.clone() for t in ks + vs if t is not None]
     store = KVOffloadStore(ks, vs, 4)
     assert store.block_bytes == BS * (2 * 8 * 4 * 2 + 4 * 2)
