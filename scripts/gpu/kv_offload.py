@@ -133,7 +133,7 @@ def main() -> int:
         progress=False)
     store = engine.executor.worker.runner.offload
     rng = random.Random(0)
-    fresh = lambda n: [rng.randrange(VOCAB) for _ in range(n)]  # noqa: E731
+    fresh = lambda n: [rng.randrange(VOCAB) for _ in range(n)]
     result = {"device": device_name(torch.device(DEV)), "torch": torch.__version__, "layers": LAYERS,
               "block_size": BS, "block_bytes": store.block_bytes, "num_gpu_blocks": num_blocks,
               "offload_slots": store.num_slots, "bandwidth": bandwidth(store, num_blocks), "ttft_s": {}}
