@@ -311,9 +311,10 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
 
     def _move_blocks(self, sched) -> None:
         """The step's block moves, before its forward pass: swaps, copy-on-write, the offload tier's copies."""
-        self.executor.swap_and_copy(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy,
-                                    sched.offload_save, sched.offload_load)
-        if sched.offload_save or sched.offload_load:
+        offload = (sched.offload_save, sched.offload_load) if sched.offload_save or sched.offload_load else ()
+        # (without offload copies the call is the three-list one an executor of earlier chapters knows)
+        self.executor.swap_and_copy(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy, *offload)
+        if offload:
             block_bytes = self.sizes.block_bytes  # one worker's share of a block (its heads, chapter 11)
             self.engine_stats.offload_bytes_to_cpu += len(sched.offload_save) * block_bytes
             self.engine_stats.offload_bytes_to_gpu += len(sched.offload_load) * block_bytes
