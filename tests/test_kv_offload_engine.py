@@ -91,3 +91,28 @@ def test_offload_refuses_a_model_whose_windows_free_blocks(seed):
     with pytest.raises(ValueError, match="kv_eviction='none'"):
         LLMEngine(model, NoTextTokenizer(), [], EngineConfig(block_size=BS, num_gpu_blocks=12,
                   enable_prefix_caching="hash", kv_offload_blocks=4), progress=False)
+
+
+@pytest.mark.slow  # two worker processes (gloo on the CPU)
+def test_tensor_parallel_ranks_each_offload_their_own_shard(tmp_path, seed):
+    """TP=2: every rank copies its half of the heads out and back (the same slots); the tokens are TP=1's
+    with the tier on (up to fp32 near-ties, test_tp_engine's tolerance), and the CPU tier served the prefix."""
+    from test_tp_engine import _greedy, assert_tokens_until_ties
+    from tiny_models import VOCAB as TP_VOCAB
+    from tiny_models import make_tiny
+
+    from minillm import LLM
+
+    path = make_tiny("llama3", tmp_path, vocab_size=TP_VOCAB + 3)
+    rng = random.Random(seed)
+    prefix = [rng.randrange(TP_VOCAB) for _ in range(5 * BS)]
+    prompts = [prefix + [1, 2], *([rng.randrange(TP_VOCAB) for _ in range(28)] for _ in range(2)), prefix + [3]]
+    engine = dict(device="cpu", dtype="float32", max_num_seqs=2, max_num_batched_tokens=48, block_size=BS,
+                  num_gpu_blocks=12, enable_prefix_caching="hash", kv_offload_blocks=32)
+    outs = {}
+    for tp in (1, 2):
+        with LLM(path, tensor_parallel_size=tp, **engine) as llm:
+            outs[tp] = [_greedy(llm, [{"prompt_token_ids": p}], 6, logprobs=2 if tp == 1 else None)[0] for p in prompts]
+            stats = llm.engine.engine_stats
+            assert stats.offload_restored_blocks >= 5 and stats.prefix_hit_tokens == 0
+    assert_tokens_until_ties(outs[1], outs[2], 6)
