@@ -56,10 +56,12 @@ def _load(args):
     # generate and chat stream one request at a time: a decode graph for batch 1 is all they replay,
     # and capturing one graph instead of twenty keeps start-up short on a GPU; each prompt is one
     # prefill step, cheaper run eagerly than captured for a single use
+    kv = kv_eviction_kwargs(args)
+    if kv.get("kv_offload_gb") or kv.get("kv_offload_blocks"):  # the tier is the prefix cache's second level
+        kv["enable_prefix_caching"] = "hash"
     return LLM(args.model, dtype=args.dtype, device=args.device, cuda_graph_max_batch=1, cuda_graph_max_tokens=0,
                kv_cache_dtype=args.kv_cache_dtype, quantization=_quantization(args),
-               speculative_config=_speculative(args), tensor_parallel_size=args.tensor_parallel_size,
-               **kv_eviction_kwargs(args))
+               speculative_config=_speculative(args), tensor_parallel_size=args.tensor_parallel_size, **kv)
 
 
 def _speculative(args):

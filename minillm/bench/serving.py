@@ -54,7 +54,7 @@ THROUGHPUT_SIZES = dict(num_requests=(256, 8), min_input_len=(100, 16), max_inpu
 LATENCY_SIZES = dict(input_len=(128, 32), output_len=(256, 32))
 ENGINE_ARGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enforce_eager",
                "num_gpu_blocks", "preemption_mode", "enable_prefix_caching", "cuda_graph_max_tokens", "kv_cache_dtype",
-               "async_scheduling")
+               "async_scheduling", "kv_offload_gb", "kv_offload_blocks")
 
 
 def _sizes(defaults: dict, given: dict, device: torch.device) -> dict:
@@ -335,8 +335,18 @@ def add_arguments(parser, workload: str) -> None:
                    help="split the model over N ranks (chapter 11): one GPU each, or N CPU processes (gloo)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3", "int8"],
                    help="KV cache storage (chapter 08): fp8/int8 hold twice the tokens of bf16")
+    p.add_argument("--enable-prefix-caching", type=_prefix_caching, default=None, help="off, hash or radix (chapter 06)")
+    p.add_argument("--kv-offload-gb", type=float, default=None, help="GiB of pinned CPU memory that evicted prefix-cache "
+                   "blocks spill to and come back from (chapter 15; needs --enable-prefix-caching)")
+    p.add_argument("--kv-offload-blocks", type=int, default=None, help="the same tier counted in blocks (overrides GiB)")
     p.add_argument("--quantization", type=_quantization, default=None, help="weights in fewer bits: int8, int4, "
                    "awq, gptq (NAME:key=value,...), or a folder written by `minillm quantize` (chapter 08)")
+
+
+def _prefix_caching(text: str):
+    from ..entrypoints.openai.cli_args import _prefix_caching as parse
+
+    return parse(text)
 
 
 def _quantization(text: str):

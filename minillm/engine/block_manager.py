@@ -28,6 +28,10 @@ The pool of blocks is PagedKVCache's memory; this is its bookkeeping, all on the
     (a tree node may only be unused if its subtree is) and hits are taken whole, so the bound grows by
     the named blocks a sequence holds. A sequence with evicted entries is preempted by recompute, never swapped.
 
+  * offloading (chapter 15, kv_offload.py): with a KVOffloadPool, a cached block the prefix cache
+    evicts is queued to be copied to a CPU slot first, and `match_offloaded` / `restore_offloaded`
+    bring the blocks after a prompt's GPU hits back into fresh GPU blocks, named in the cache at once.
+
 Block 0 is reserved: padded rows of a CUDA-graph batch point at it, so it is never handed out, and
 evicted table entries point at it (it is never written: it holds zeros).
 """
@@ -37,6 +41,7 @@ from __future__ import annotations
 from collections import deque
 
 from .kv_eviction import NULL_BLOCK, KVEvictionPolicy
+from .kv_offload import KVOffloadPool
 from .prefix_cache import PrefixCache, RadixPrefixCache
 from .stats import EngineStats
 
@@ -48,7 +53,8 @@ def cdiv(a: int, b: int) -> int:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
                  prefix_cache: PrefixCache | None = None, stats: EngineStats | None = None,
-                 track_changes: bool = False, eviction: KVEvictionPolicy | None = None):
+                 track_changes: bool = False, eviction: KVEvictionPolicy | None = None,
+                 offload: KVOffloadPool | None = None):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), not {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -68,6 +74,12 @@ class BlockManager:
         self.eviction = eviction
         self._evicted_upto: dict[int, int] = {}  # seq_id -> entries [eviction.lo, this) point at NULL_BLOCK
         self._held: dict[int, list[int]] = {}  # seq_id -> named blocks evicted from its table, held (radix)
+        self.offload = offload
+        if offload is not None:
+            if prefix_cache is None or eviction is not None:
+                raise ValueError("a KV offload pool needs a prefix cache and no KV eviction policy")
+            offload.stats = self.stats
+            prefix_cache.on_evict = offload.offload
 
     # ---- change tracking (chapter 13) ------------------------------------------------------------
 
@@ -138,6 +150,24 @@ class BlockManager:
         """Hit statistics, once per admitted sequence (not per admission attempt)."""
         if self.prefix_cache is not None:
             self.prefix_cache.count((len(token_ids) - 1) // self.block_size, num_hits)
+
+    def match_offloaded(self, token_ids: list[int], num_hits: int, extra_key: int = 0) -> list[int]:
+        """CPU slots of the full blocks right after a new sequence's num_hits GPU hits (the offload tier)."""
+        if self.offload is None:
+            return []
+        return self.offload.match(token_ids, num_hits, (len(token_ids) - 1) // self.block_size, extra_key)
+
+    def restore_offloaded(self, seq_id: int, token_ids: list[int], num_hits: int, slots: list[int],
+                          extra_key: int = 0) -> None:
+        """After allocate_slots counted them as new blocks: table entries num_hits.. take slots' K/V
+        (copied before the step's forward pass) and are named in the prefix cache now, so a sequence
+        admitted later in this step shares them instead of restoring them again."""
+        if not slots:
+            return
+        table = self.block_tables[seq_id]
+        self.offload.restore(slots, table[num_hits : num_hits + len(slots)])
+        self.stats.offload_hit_tokens += len(slots) * self.block_size
+        self.prefix_cache.insert(token_ids, table[: num_hits + len(slots)], extra_key)
 
     def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int, extra_key: int = 0) -> None:
         """Name the full blocks whose K/V are now computed (under adapter extra_key), so later

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import KVCacheSpec, PagedKVCache, kv_cache_spec
-from ..checks import check_choice, check_int, is_int
+from ..checks import check_choice, check_float, check_int, is_int
 from ..distributed.kv_transfer.config import KVTransferConfig
 from ..layers.quantization.kv_cache import check_kv_cache_device, kv_cache_torch_dtype
 from ..spec_decode.config import SpeculativeConfig
@@ -78,6 +78,13 @@ class EngineConfig:
     kv_budget: int | None = None
     kv_positions: str = "original"
     snapkv_window: int = 16  # "snapkv": the prompt's last queries whose attention picks its blocks
+    # the KV offload tier (chapter 15, engine/kv_offload.py; SGLang's HiCache, vLLM's KV offloading): a prefix-
+    # cache block evicted from the GPU pool is copied to a pinned CPU pool of kv_offload_gb GiB per worker (or
+    # kv_offload_blocks blocks, which overrides it) instead of being dropped, least recently used out first,
+    # and copied back when a later prompt starts with it. 0: off. Needs enable_prefix_caching.
+    # (Not vLLM's cpu_offload_gb: that one offloads weights.)
+    kv_offload_gb: float = 0
+    kv_offload_blocks: int | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_batch"):
@@ -121,6 +128,7 @@ class EngineConfig:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): every "
                              "adapter in a GPU slot has its CPU copy")
         self._check_kv_eviction()
+        self._check_kv_offload()
         kv_cache_torch_dtype(self.kv_cache_dtype)  # an unknown name fails here, before any model is touched
         if self.kv_transfer_config is not None:
             self.kv_transfer_config = KVTransferConfig.from_dict(self.kv_transfer_config)
@@ -165,6 +173,35 @@ class EngineConfig:
         if self.kv_positions == "cache" and kind != "streaming":
             raise ValueError(f"kv_positions='cache' is for kv_eviction='streaming', not {kind!r}")
 
+    def _check_kv_offload(self) -> None:
+        check_float("kv_offload_gb", self.kv_offload_gb, 0, MAX_SWAP_SPACE_GIB)
+        check_int("kv_offload_blocks", self.kv_offload_blocks, 0, optional=True)
+        if not self.offloads:
+            return
+        if self.enable_prefix_caching is None:
+            raise ValueError("kv_offload_gb/kv_offload_blocks keep evicted prefix-cache blocks on the CPU: they need "
+                             "enable_prefix_caching ('hash' or 'radix')")
+        if self.kv_eviction not in ("auto", "none"):  # a policy nulls table entries a restored chain would need
+            raise ValueError(f"kv_offload cannot run with kv_eviction={self.kv_eviction!r}: use 'none' or 'auto'")
+        if self.kv_transfer_config is not None:
+            raise ValueError("kv_offload cannot run with kv_transfer_config (a KV connector loads its own blocks)")
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the KV offload tier is asked for."""
+        return bool(self.kv_offload_blocks) if self.kv_offload_blocks is not None else self.kv_offload_gb > 0
+
+    def num_offload_blocks(self, block_bytes: int) -> int:
+        """CPU offload slots: kv_offload_blocks, or what kv_offload_gb holds of blocks of block_bytes."""
+        if self.kv_offload_blocks is not None:
+            return self.kv_offload_blocks
+        if self.kv_offload_gb and not block_bytes:
+            raise ValueError("kv_offload_gb needs the cache's block size in bytes; give kv_offload_blocks instead")
+        n = int(self.kv_offload_gb * 2**30) // block_bytes if self.kv_offload_gb else 0
+        if self.kv_offload_gb and n < 1:
+            raise ValueError(f"kv_offload_gb={self.kv_offload_gb} holds no block of {block_bytes} bytes")
+        return n
+
     def resolve(self, model, draft_model=None) -> ResolvedSizes:
         """The sizes this config means for this model, worked out once: the context, the KV pool on the
         GPU (num_gpu_blocks, or what gpu_memory_utilization leaves, or a fixed budget on a CPU) and the
@@ -188,7 +225,8 @@ class EngineConfig:
         num_cpu = self.num_cpu_blocks
         if num_cpu is None:  # CPU blocks only matter for swapping
             num_cpu = int(self.swap_space * 2**30) // block_bytes if self.preemption_mode == "swap" else 0
-        return ResolvedSizes(max_model_len, num_blocks, num_cpu, block_bytes, tuple(specs), param.device)
+        return ResolvedSizes(max_model_len, num_blocks, num_cpu, block_bytes, tuple(specs), param.device,
+                             self.num_offload_blocks(block_bytes))
 
 
 @dataclass(frozen=True)
@@ -199,3 +237,4 @@ class ResolvedSizes:
     block_bytes: int  # one block of every layer
     kv_cache_spec: tuple[KVCacheSpec, ...]  # per layer, what the cache holds
     device: torch.device
+    num_offload_blocks: int = 0  # CPU slots of the KV offload tier (engine/kv_offload.py)

@@ -70,6 +70,7 @@ from ..worker.model_input import ModelInput
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .kv_eviction import make_kv_eviction, reserved_blocks
+from .kv_offload import KVOffloadPool
 from .overlap_steps import OverlapSteps, needs_host_sampling
 from .prefix_cache import make_prefix_cache
 from .scheduler import Scheduler, SchedulerOutput
@@ -150,10 +151,16 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         if num_gpu_blocks - reserved < 2:
             raise ValueError(f"num_gpu_blocks={num_gpu_blocks} leaves no room beside the {reserved} blocks "
                              f"kv_positions='cache' keeps for rotated sinks (sink blocks x max_num_seqs)")
+        eviction = make_kv_eviction(config, model.config)
+        num_offload = getattr(self.sizes, "num_offload_blocks", 0)  # chapter 15's CPU tier (kv_offload.py)
+        if num_offload and eviction is not None:  # "auto" on a model whose every layer slides
+            raise ValueError(f"kv_offload cannot run with kv_eviction={eviction.name!r} (this model's sliding "
+                             "windows free blocks a restored prefix would need): pass kv_eviction='none'")
         self.block_manager = BlockManager(num_gpu_blocks - reserved, config.block_size, num_cpu_blocks,
                                           make_prefix_cache(config.enable_prefix_caching, config.block_size),
                                           self.engine_stats, track_changes=True,  # the worker keeps the tables
-                                          eviction=make_kv_eviction(config, model.config))
+                                          eviction=eviction,
+                                          offload=KVOffloadPool(num_offload, config.block_size) if num_offload else None)
         kv = config.kv_transfer_config  # chapter 17: the scheduler's side of the connector
         if kv is not None and not isinstance(executor, UniprocExecutor):  # each rank holds a slice of the heads
             raise ValueError("kv_transfer_config needs a one-worker engine (tensor_parallel_size=1): a KV connector "
@@ -302,9 +309,19 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
         drained = self._drain() if self._inflight is not None else []  # tokens still on the GPU come first
         return drained + self._step_sync(unfinished_outputs)
 
+    def _move_blocks(self, sched) -> None:
+        """The step's block moves, before its forward pass: swaps, copy-on-write, the offload tier's copies."""
+        offload = (sched.offload_save, sched.offload_load) if sched.offload_save or sched.offload_load else ()
+        # (without offload copies the call is the three-list one an executor of earlier chapters knows)
+        self.executor.swap_and_copy(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy, *offload)
+        if offload:
+            block_bytes = self.sizes.block_bytes  # one worker's share of a block (its heads, chapter 11)
+            self.engine_stats.offload_bytes_to_cpu += len(sched.offload_save) * block_bytes
+            self.engine_stats.offload_bytes_to_gpu += len(sched.offload_load) * block_bytes
+
     def _step_sync(self, unfinished_outputs: bool) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        self.executor.swap_and_copy(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
+        self._move_blocks(sched)
         failed, reserved = self._kv_failed(sched), []
         if self.has_proposer:
             not_proposed, reserved = self._propose(sched)

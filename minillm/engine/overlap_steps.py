@@ -63,7 +63,7 @@ class OverlapSteps:
     def _step_overlapped(self, unfinished_outputs: bool) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         prev = self._inflight
-        self.executor.swap_and_copy(sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy)
+        self._move_blocks(sched)
         kv_failed = self._kv_failed(sched)  # chapter 17: remote K/V that never came
         if sched.is_empty:
             return kv_failed + self._drain()

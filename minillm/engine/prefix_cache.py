@@ -37,12 +37,31 @@ def block_tokens(token_ids: list[int], block_size: int, num_blocks: int) -> list
     return [tuple(token_ids[i * block_size : (i + 1) * block_size]) for i in range(num_blocks)]
 
 
+def chain_keys(token_ids: list[int], block_size: int, num_blocks: int, extra_key: int = 0):
+    """The name of each of the first num_blocks full blocks: key i = hash(key i-1, tokens of block i)."""
+    # A cryptographic hash, not Python's hash(): that one is fast but not collision-resistant, and
+    # one collision would hand a sequence another prompt's K/V (a wrong answer, or one user's text
+    # leaking into another's). vLLM moved to SHA-256 for the same reason; BLAKE2b-128 is enough here.
+    # An adapter's chain starts from its own seed (the base model's from b"", as before).
+    key = b"" if not extra_key else b"lora" + array("q", [extra_key]).tobytes()
+    for tokens in block_tokens(token_ids, block_size, num_blocks):
+        key = hashlib.blake2b(key + array("q", tokens).tobytes(), digest_size=16).digest()
+        yield key
+
+
 class PrefixCache:
     """What the BlockManager needs from either structure."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.stats = EngineStats()  # its counters; the BlockManager shares the engine's with it
+        # Called with (block, chain key) just before an evicted block is forgotten: the KV offload tier
+        # (kv_offload.py) keeps a copy of it under the same name as chain_keys gives it
+        self.on_evict = None
+
+    def _key_of(self, block: int) -> bytes:
+        """The chain key (chain_keys) of a cached block."""
+        raise NotImplementedError
 
     def match(self, token_ids: list[int], max_blocks: int, extra_key: int = 0) -> list[int]:
         """Blocks holding the longest cached prefix of token_ids (at most max_blocks full blocks)
@@ -104,14 +123,10 @@ class HashPrefixCache(PrefixCache):
         self._lru: OrderedDict[int, None] = OrderedDict()  # evictable blocks, least recently used first
 
     def _keys(self, token_ids: list[int], num_blocks: int, extra_key: int = 0):
-        # A cryptographic hash, not Python's hash(): that one is fast but not collision-resistant, and
-        # one collision would hand a sequence another prompt's K/V (a wrong answer, or one user's text
-        # leaking into another's). vLLM moved to SHA-256 for the same reason; BLAKE2b-128 is enough here.
-        # An adapter's chain starts from its own seed (the base model's from b"", as before).
-        key = b"" if not extra_key else b"lora" + array("q", [extra_key]).tobytes()
-        for tokens in block_tokens(token_ids, self.block_size, num_blocks):
-            key = hashlib.blake2b(key + array("q", tokens).tobytes(), digest_size=16).digest()
-            yield key
+        return chain_keys(token_ids, self.block_size, num_blocks, extra_key)
+
+    def _key_of(self, block):
+        return self._hash_of[block]
 
     def match(self, token_ids, max_blocks, extra_key=0):
         found = []
@@ -140,6 +155,8 @@ class HashPrefixCache(PrefixCache):
         if not self._lru:
             return None
         block, _ = self._lru.popitem(last=False)
+        if self.on_evict is not None:
+            self.on_evict(block, self._hash_of[block])
         del self._block_of[self._hash_of.pop(block)]
         return block
 
@@ -178,6 +195,17 @@ class RadixPrefixCache(PrefixCache):
                 self._leaves = [(self._node_of[b].last_used, b) for b in self._evictable
                                 if not self._node_of[b].children]
                 heapq.heapify(self._leaves)
+
+    def _key_of(self, block):
+        # the tokens on the path from the root spell the block's prefix; its root names the adapter
+        node, blocks = self._node_of[block], []
+        while node.parent is not None:
+            blocks.append(node.tokens)
+            node = node.parent
+        extra_key = next(k for k, r in self._roots.items() if r is node)
+        tokens = [t for b in reversed(blocks) for t in b]
+        *_, key = chain_keys(tokens, self.block_size, len(blocks), extra_key)
+        return key
 
     def _root(self, extra_key: int) -> _Node:
         root = self._roots.get(extra_key)
@@ -233,6 +261,8 @@ class RadixPrefixCache(PrefixCache):
             node = self._node_of.get(block)
             if node is None or block not in self._evictable or node.children or node.last_used != last_used:
                 continue  # stale: evicted already, in use, no longer a leaf, or used since
+            if self.on_evict is not None:
+                self.on_evict(block, self._key_of(block))
             del self._node_of[block]
             del node.parent.children[node.tokens]
             self._evictable.discard(block)

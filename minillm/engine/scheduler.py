@@ -30,6 +30,10 @@ Finished sequences leave at once (`finish`), so their blocks serve someone else 
 The waiting queue is a heap with O(1) removal (waiting_queue.py): admitting, finishing and aborting
 cost O(log n) whatever the queue's length, so a burst of aborts never stalls the next step.
 
+The offload tier (chapter 15, kv_offload.py): admission looks up the prompt's blocks after its GPU
+prefix hits in the CPU pool too; those blocks are allocated with the rest, copied back before the
+step's forward pass (SchedulerOutput.offload_load), and counted as computed, like GPU hits.
+
 Disaggregated serving (chapter 17, a KV connector): admission asks the connector how many prompt
 tokens beyond the local prefix-cache hits another engine computed; those are allocated with the rest
 and loaded by the worker in the step's forward pass, layer by layer, and only the prompt's last token
@@ -64,6 +68,9 @@ class SchedulerOutput:
     decode_only: bool = False
     kv_connector_metadata: KVConnectorMetadata | None = None  # chapter 17: the step's loads and saves
     kv_failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # remote K/V that never came
+    # chapter 15's offload tier (kv_offload.py): evicted blocks to copy out, CPU slots to copy back in
+    offload_save: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu slot)
+    offload_load: list[tuple[int, int]] = field(default_factory=list)  # (cpu slot, gpu)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -180,6 +187,8 @@ class Scheduler:
         # everyone decodes, nobody joined (admitted, swapped in) and nobody was preempted: the order stands
         self._in_order = all_one and not out.preempted and len(self.running) == kept
         out.blocks_to_copy, self.bm.pending_copies = self.bm.pending_copies, []
+        if self.bm.offload is not None:
+            out.offload_save, out.offload_load = self.bm.offload.take()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out.scheduled, self.bm.block_tables)
         return out
@@ -280,7 +289,8 @@ class Scheduler:
                 passed.append(self.waiting.popleft())  # back in its place below: its key is unchanged
                 continue
             hits = self.bm.match_prefix(seq.token_ids, seq.lora_int_id)
-            computed = len(hits) * self.bm.block_size
+            offloaded = self.bm.match_offloaded(seq.token_ids, len(hits), seq.lora_int_id)  # CPU hits after them
+            computed = (len(hits) + len(offloaded)) * self.bm.block_size
             remote = 0
             if self.connector is not None and (remote := self._remote_tokens(seq, computed, out)) is None:
                 continue
@@ -289,6 +299,7 @@ class Scheduler:
                 break  # the pool is full: wait for blocks (FCFS: nobody overtakes the head)
             self.waiting.popleft()
             self.bm.count_prefix_hits(seq.token_ids, len(hits))
+            self.bm.restore_offloaded(seq.seq_id, seq.token_ids, len(hits), offloaded, seq.lora_int_id)
             seq.num_computed_tokens = computed
             if remote:  # loaded in this step's forward pass, before the layers attend
                 self.connector.update_state_after_alloc(seq, self.bm.block_tables[seq.seq_id], remote)

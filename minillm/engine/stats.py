@@ -28,6 +28,15 @@ class EngineStats:
     num_failed_requests: int = 0  # requests ended by an error in their step (finish_reason "error")
     num_lora_slot_loads: int = 0  # LoRA adapters copied into a GPU slot (chapter 16: swap-ins)
     num_lora_disk_loads: int = 0  # LoRA adapters read from disk into the CPU pool
+    # the KV offload tier (chapter 15, kv_offload.py): blocks evicted from the GPU pool copied to a CPU slot,
+    # CPU slots copied back into a GPU block on a prefix hit, prompt tokens those hits skipped (GPU hits are
+    # prefix_hit_tokens), CPU copies forgotten (the CPU pool's LRU), and the bytes each way (one worker's)
+    offload_saved_blocks: int = 0
+    offload_restored_blocks: int = 0
+    offload_hit_tokens: int = 0
+    offload_dropped_blocks: int = 0
+    offload_bytes_to_cpu: int = 0
+    offload_bytes_to_gpu: int = 0
     spec: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)  # drafts and acceptance (chapter 09)
     kv: KVTransferStats = field(default_factory=KVTransferStats)  # KV moved by a connector (chapter 17)
 

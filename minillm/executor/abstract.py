@@ -13,7 +13,8 @@ The calls, in the order an engine makes them:
 
     determine_num_blocks()              -> (GPU blocks, CPU blocks) the memory holds
     initialize_cache(gpu, cpu)          allocate the pools, capture the decode graphs, build the proposer
-    swap_and_copy(out, in, copies)      the scheduler's block moves for this step
+    swap_and_copy(out, in, copies, save, load)  the scheduler's block moves for this step (save, load:
+                                        chapter 15's offload tier)
     propose(seqs, num_spec, changes)    chapter 09's drafts (the block tables' changes first)
     execute_model(model_input)          -> ModelRunnerOutput: the step's tokens, sampled by the worker
     capture_token_buckets()             every prefill graph now (warm-up)
@@ -46,7 +47,8 @@ class Executor(ABC):
 
     @abstractmethod
     def swap_and_copy(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
-                      copies: list[tuple[int, int]]) -> None: ...
+                      copies: list[tuple[int, int]], offload_save: list[tuple[int, int]] = (),
+                      offload_load: list[tuple[int, int]] = ()) -> None: ...
 
     @abstractmethod
     def propose(self, seqs, num_spec: list[int], table_changes) -> tuple[list[list[int]], torch.Tensor | None]:

@@ -62,9 +62,11 @@ class FakeExecutor(Executor):
         self.weights = rng.integers(1, 1 << 20, size=max_model_len, dtype=np.int64)  # R [max_model_len]
         self.table = torch.from_numpy(rng.normal(0.0, 3.0, size=(table_rows, vocab_size)).astype(np.float32))
         # the fields of the engine's ResolvedSizes it reads (engine/config.py: a tier above this one)
+        # (the offload tier's slots: kv_offload_blocks; the fake's blocks have no size to divide GiB by)
         self.sizes = SimpleNamespace(max_model_len=max_model_len, num_gpu_blocks=num_gpu_blocks,
                                      num_cpu_blocks=num_cpu_blocks, block_bytes=0, kv_cache_spec=(),
-                                     device=torch.device("cpu"))
+                                     device=torch.device("cpu"),
+                                     num_offload_blocks=config.num_offload_blocks(0) if getattr(config, "offloads", False) else 0)
         self.sampler = StepSampler(config.max_num_seqs)
         self.last_sampled: torch.Tensor | None = None
         self.proposer = None
@@ -78,6 +80,7 @@ class FakeExecutor(Executor):
         # [blocks * bs] token id and position of each slot; -1: never written (or swapped out)
         self.gpu = np.full((2, num_gpu_blocks * bs), -1, dtype=np.int64)
         self.cpu = np.full((2, max(num_cpu_blocks, 1) * bs), -1, dtype=np.int64)
+        self.offloaded = np.full((2, max(self.sizes.num_offload_blocks, 1) * bs), -1, dtype=np.int64)  # its slots
         self.tables = PersistentBlockTable(self.config.max_num_seqs, -(-self.sizes.max_model_len // bs))
         spec = self.config.speculative_config
         if spec is not None:
@@ -90,11 +93,18 @@ class FakeExecutor(Executor):
     def _blocks(self, pool: np.ndarray, block: int) -> slice:
         return slice(block * self.block_size, (block + 1) * self.block_size)
 
-    def swap_and_copy(self, swap_out, swap_in, copies) -> None:
+    def swap_and_copy(self, swap_out, swap_in, copies, offload_save=(), offload_load=()) -> None:
         # a swapped-out GPU block keeps its contents, as on a GPU: another sequence (or the prefix cache)
         # may still hold it
         for gpu_block, cpu_block in swap_out:
             self.cpu[:, self._blocks(self.cpu, cpu_block)] = self.gpu[:, self._blocks(self.gpu, gpu_block)]
+        # chapter 15's offload tier, in cache/offload.py's order: read every saved block, write the slots,
+        # then restore (a restore may target a block just saved, or read a slot just written)
+        saved = [self.gpu[:, self._blocks(self.gpu, b)].copy() for b, _ in offload_save]
+        for data, (_, slot) in zip(saved, offload_save):
+            self.offloaded[:, self._blocks(self.offloaded, slot)] = data
+        for slot, gpu_block in offload_load:
+            self.gpu[:, self._blocks(self.gpu, gpu_block)] = self.offloaded[:, self._blocks(self.offloaded, slot)]
         for cpu_block, gpu_block in swap_in:
             self.gpu[:, self._blocks(self.gpu, gpu_block)] = self.cpu[:, self._blocks(self.cpu, cpu_block)]
         for src, dst in copies:

@@ -232,8 +232,9 @@ class MultiprocExecutor(Executor):
 
         return self._call("execute_model", model_input, num_prev, local=run)
 
-    def swap_and_copy(self, swap_out, swap_in, copies) -> None:
-        self._call("swap_and_copy", swap_out, swap_in, copies)
+    def swap_and_copy(self, swap_out, swap_in, copies, offload_save=(), offload_load=()) -> None:
+        # every rank moves its own shard of the same blocks (chapter 15's offload tier too)
+        self._call("swap_and_copy", swap_out, swap_in, copies, offload_save, offload_load)
 
     def propose(self, seqs, num_spec, table_changes):
         """Chapter 09's n-gram drafts, on rank 0 alone: a lookup in the tokens, no forward pass. The other

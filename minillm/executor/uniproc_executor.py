@@ -33,8 +33,8 @@ class UniprocExecutor(Executor):
     def execute_model(self, model_input: ModelInput) -> ModelRunnerOutput:
         return self.worker.execute_model(model_input)
 
-    def swap_and_copy(self, swap_out, swap_in, copies) -> None:
-        self.worker.swap_and_copy(swap_out, swap_in, copies)
+    def swap_and_copy(self, swap_out, swap_in, copies, offload_save=(), offload_load=()) -> None:
+        self.worker.swap_and_copy(swap_out, swap_in, copies, offload_save, offload_load)
 
     def propose(self, seqs, num_spec, table_changes):
         return self.worker.propose(seqs, num_spec, table_changes)

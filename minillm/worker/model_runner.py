@@ -71,6 +71,7 @@ def forward_packed(model, device, step: ModelInput, prev_tokens: torch.Tensor | 
 class ModelRunner:
     def __init__(self, model, cache: PagedKVCache, config, max_model_len: int, kv_connector=None):
         self.model, self.cache = model, cache
+        self.offload = None  # chapter 15: the KV offload tier's CPU pool (cache/offload.py), set by the worker
         self.kv_connector = kv_connector  # chapter 17: the worker side of a KV connector, or None
         self.block_size = cache.block_size
         self.device = cache.device
@@ -176,9 +177,12 @@ class ModelRunner:
         if self._first_layer.kv_cache is None or self._first_layer.kv_cache[0] is not self.cache.k_caches[0]:
             self.cache.bind(self.model)
 
-    def swap_and_copy(self, swap_out, swap_in, copies) -> None:
-        """Block moves the scheduler asked for, before the step's forward pass writes anything."""
+    def swap_and_copy(self, swap_out, swap_in, copies, offload_save=(), offload_load=()) -> None:
+        """Block moves the scheduler asked for, before the step's forward pass writes anything: every
+        read of a block this step hands out again (swap-out, offload saves) before any write."""
         self.cache.swap_out(swap_out)
+        if offload_save or offload_load:
+            self.offload.transfer(offload_save, offload_load)  # chapter 15's CPU tier (cache/offload.py)
         self.cache.swap_in(swap_in)
         self.cache.copy_blocks(copies)
 

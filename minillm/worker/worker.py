@@ -21,6 +21,7 @@ import dataclasses
 
 import torch
 
+from ..cache.offload import KVOffloadStore
 from ..cache.paged import PagedKVCache
 from ..distributed.kv_transfer import make_kv_connector
 from ..lora.layers import set_adapter, wrap_lora_layers
@@ -57,6 +58,8 @@ class Worker:
             self.kv_connector = make_kv_connector(kv, self.config.block_size, sizes.kv_cache_spec)
             self.kv_connector.register_kv_caches(self.model, self.cache)  # a pull transport may share it
         self.runner = ModelRunner(self.model, self.cache, self.config, sizes.max_model_len, self.kv_connector)
+        if sizes.num_offload_blocks:  # chapter 15: this worker's own shard of every offloaded block
+            self.runner.offload = KVOffloadStore(self.cache.k_caches, self.cache.v_caches, sizes.num_offload_blocks)
         self.runner.capture_cuda_graphs(progress)
 
     def attach_proposer(self, proposer, progress: bool = True) -> None:
@@ -87,10 +90,11 @@ class Worker:
         out.kv_block_mass = self.runner.block_mass  # H2O/SnapKV's per-block attention (None otherwise)
         return out
 
-    def swap_and_copy(self, swap_out, swap_in, copies) -> None:
+    def swap_and_copy(self, swap_out, swap_in, copies, offload_save=(), offload_load=()) -> None:
         """Block moves the scheduler asked for, before the step's forward pass writes anything; a
-        proposer with a cache of its own mirrors the copies."""
-        self.runner.swap_and_copy(swap_out, swap_in, copies)
+        proposer with a cache of its own mirrors the copies (a draft model's blocks are not offloaded:
+        a prefix hit makes it draft from scratch, Sequence.num_draft_computed)."""
+        self.runner.swap_and_copy(swap_out, swap_in, copies, offload_save, offload_load)
         if self.proposer is not None:
             self.proposer.copy_blocks(copies)
 

@@ -113,17 +113,25 @@ KV_EVICTION_FLAGS = [
     ("--kv-positions", "kv_positions", str, "streaming: original (a kept key keeps its position) or cache (its "
      "place among the kept tokens, as the StreamingLLM paper)"),
 ]
-ENGINE_FLAGS += KV_EVICTION_FLAGS
+# chapter 15's offload tier (engine/kv_offload.py): evicted prefix-cache blocks spill to pinned CPU memory
+KV_OFFLOAD_FLAGS = [
+    ("--kv-offload-gb", "kv_offload_gb", float, "GiB of pinned CPU memory per worker that evicted prefix-cache "
+     "blocks spill to (least recently used out first) and come back from on a prefix hit; needs prefix caching "
+     "(generate and chat turn the hash cache on)"),
+    ("--kv-offload-blocks", "kv_offload_blocks", int, "the offload tier's size in KV blocks (overrides --kv-offload-gb)"),
+]
+ENGINE_FLAGS += KV_EVICTION_FLAGS + KV_OFFLOAD_FLAGS
 
 
 def add_kv_eviction_args(p: argparse.ArgumentParser) -> None:
-    for flag, field, kind, text in KV_EVICTION_FLAGS:
+    for flag, field, kind, text in KV_EVICTION_FLAGS + KV_OFFLOAD_FLAGS:
         p.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS, help=text)
 
 
 def kv_eviction_kwargs(args: argparse.Namespace) -> dict:
-    """The chapter-15 EngineConfig fields given on the command line."""
-    return {field: getattr(args, field) for _, field, _, _ in KV_EVICTION_FLAGS if hasattr(args, field)}
+    """The chapter-15 EngineConfig fields given on the command line (eviction and the offload tier)."""
+    return {field: getattr(args, field) for _, field, _, _ in KV_EVICTION_FLAGS + KV_OFFLOAD_FLAGS
+            if hasattr(args, field)}
 
 
 def _lora_module(value: str) -> tuple[str, str]:

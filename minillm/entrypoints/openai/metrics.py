@@ -101,6 +101,13 @@ class _EngineCollector:
                            ("transfers_saved", "Prompts whose KV a connector published"),
                            ("transfers_loaded", "Prompts whose KV a connector loaded")):
             yield CounterMetricFamily(f"minillm_kv_{name}", what, value=stats.get(f"kv_{name}", 0))
+        for name, what in (("saved_blocks", "Prefix-cache blocks evicted from the GPU copied to the CPU tier (chapter 15)"),
+                           ("restored_blocks", "CPU-tier blocks copied back into the GPU pool on a prefix hit"),
+                           ("hit_tokens", "Prompt tokens served from the CPU tier (not computed)"),
+                           ("dropped_blocks", "CPU-tier copies forgotten, least recently used first"),
+                           ("bytes_to_cpu", "KV bytes copied to the CPU tier (one worker's)"),
+                           ("bytes_to_gpu", "KV bytes copied back from the CPU tier (one worker's)")):
+            yield CounterMetricFamily(f"minillm_kv_offload_{name}", what, value=stats.get(f"offload_{name}", 0))
         yield CounterMetricFamily("minillm_lora_slot_loads", "LoRA adapters copied into a GPU slot (swap-ins)",
                                   value=stats.get("num_lora_slot_loads", 0))
         yield CounterMetricFamily("minillm_lora_disk_loads", "LoRA adapters read from disk into the CPU pool",
