@@ -10,6 +10,7 @@ under real concurrency, and the graph capture; scripts/gpu/floor_gemv.py checks 
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -40,10 +41,14 @@ def _greedy(model, tok, requests, backend: str, calls: list) -> list[list[int]]:
     return [done[str(i)] for i in range(len(requests))]
 
 
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 # padding rows of the decode graphs hold garbage (worker/cuda_graphs.py) that the interpreter's numpy may overflow on
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
                             "ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.skipif(not INTERPRETED, reason="a CPU model under the interpreter (the GPU's check: floor_gemv.py)")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_pdl_backend_gives_the_tokens_of_graphs(seed, tok, arch, monkeypatch):
     rng = random.Random(seed)
@@ -70,6 +75,15 @@ def test_refusals():
         EngineConfig(decode_backend="megakernel")
     with pytest.raises(ValueError, match="decode GEMV mode"):
         enable_decode_gemv(model, "fast")
+
+
+def test_enabling_marks_the_layers_and_their_attention():
+    model, _ = random_model(random.Random(2), architecture="qwen3", qk_norm=True, sliding_windows=[])
+    layers, attns = model.model.layers, [layer.self_attn.attn for layer in model.model.layers]
+    enable_decode_gemv(model, "pdl")
+    assert all(layer.decode_gemv == "pdl" for layer in layers) and all(a.pdl for a in attns)
+    enable_decode_gemv(model, None)
+    assert all(layer.decode_gemv is None for layer in layers) and not any(a.pdl for a in attns)
 
 
 def test_the_runner_refuses_pdl_with_a_reason(tok):

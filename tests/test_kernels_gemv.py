@@ -110,3 +110,35 @@ def test_bad_input_is_refused():
         gemv(x, w, residual=torch.randn(2, 9, device=DEVICE))
     with pytest.raises(TypeError, match="x must be"):
         gemv(x.long(), w)
+
+
+@pytest.mark.skipif(not PDL, reason="needs a Hopper GPU (programmatic dependent launch)")
+def test_pdl_chain_in_a_cuda_graph_gpu(seed):
+    """32 GEMVs, each reading the one before (norm prologue, residual epilogue), captured in one CUDA
+    graph: launched with PDL they give bitwise what they give without. A gdc_wait after a read of x, or
+    a counter touched before the previous launch ended, would show as a different result."""
+    g = torch.Generator().manual_seed(seed)
+    K = 1024
+    ws = [_rand(g, K, K, dtype=torch.bfloat16, scale=K**-0.5) for _ in range(32)]
+    gain, x0 = _rand(g, K, dtype=torch.bfloat16), _rand(g, 4, K, dtype=torch.bfloat16)
+    results = {}
+    for pdl in (False, True):
+        h = x0.clone()
+
+        def chain(h=h, pdl=pdl):
+            y = h
+            for w in ws:
+                y = gemv(y, w, norm_weight=gain, residual=y, pdl=pdl)
+            h.copy_(y)
+        chain()  # compile and allocate outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain()
+        outs = []
+        for _ in range(3):
+            h.copy_(x0)
+            graph.replay()
+            torch.cuda.synchronize()
+            outs.append(h.clone())
+        results[pdl] = outs
+    assert all(torch.equal(o, results[False][0]) for o in results[False] + results[True])

@@ -9,7 +9,9 @@ A layer of the Llama family then runs, for a step of <= 8 tokens:
                    --gemv(RMSNorm prologue, SiLU-mul epilogue)--> [T, I]   (gate_up_proj)
                    --gemv(+ residual h epilogue)-->         h [T, hidden]   (down_proj)
 
-six kernels a layer, four of them GEMVs that start their weight reads under the previous kernel's tail.
+six kernels a layer, each launched with PDL: the GEMVs start their weight reads under the previous
+kernel's tail, and RoPE + KV store and attention (which read only their predecessor's output) at
+least overlap their launch with it.
 The residual stream is one tensor: each residual add happens in the projection before it.
 
 `enable_decode_gemv(model, pdl)` marks the model's layers (those that have the path: a `decode_gemv`
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from ..kernels import gemv as _gemv
+from .attention import Attention
 from .backend import get_kernel_mode, use_triton
 from .quantization.base import UnquantizedLinearMethod
 
@@ -65,6 +68,8 @@ def enable_decode_gemv(model: nn.Module, mode: str | None) -> None:
     for m in model.modules():
         if hasattr(m, "decode_gemv"):
             m.decode_gemv = mode
+        elif isinstance(m, Attention):  # its RoPE + KV store and decode kernels, between the GEMVs
+            m.pdl = mode == "pdl"
 
 
 def gemv_fits(layer: nn.Module, x: torch.Tensor) -> bool:
