@@ -109,7 +109,7 @@ def _gemv_kernel(
     sq_ptr,  # [n_tiles, SPLIT, M] fp32 partial sums of x^2 (NORM, SPLIT > 1)
     count_ptr,  # [>= n_tiles] int32, zero between launches
     N_OUT, K, stride_xm, stride_wn, eps,
-    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
     NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -160,14 +160,17 @@ def _gemv_kernel(
                 acc = tl.zeros([BLOCK_N], tl.float32)
                 acc_up = tl.zeros([BLOCK_N], tl.float32)
                 ss = 0.0
+                if NORM:  # the splits' sums of squares, as one vector (a fixed-shape sum: a fixed order)
+                    offs_s = tl.arange(0, SPLIT_P2)
+                    sqs = tl.load(sq_ptr + (pid_n * SPLIT + offs_s) * M + m, mask=offs_s < SPLIT, other=0.0,
+                                  cache_modifier=".cg")
+                    ss = tl.sum(sqs, axis=0)
                 for s in range(SPLIT):  # fixed order: s = 0, 1, ... whoever finished last
                     # .cg: from L2, where the other SMs' stores are; not a stale L1 line
                     part = part_ptr + (s * M + m) * N + offs_n
                     acc += tl.load(part, mask=n_ok, other=0.0, cache_modifier=".cg")
                     if SILU_MUL:
                         acc_up += tl.load(part + N_OUT, mask=n_ok, other=0.0, cache_modifier=".cg")
-                    if NORM:
-                        ss += tl.load(sq_ptr + (pid_n * SPLIT + s) * M + m, cache_modifier=".cg")
                 _finish(acc, acc_up, ss, offs_n, n_ok, m, N_OUT, K, eps, bias_ptr, res_ptr, out_ptr,
                         NORM, HAS_RES, HAS_BIAS, SILU_MUL)
             tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next launch (graphs replay this one)
@@ -235,7 +238,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(n_tiles * split,)](
         x, weight, norm_weight, bias, residual, out, part, sq, _counter(x.device),
         n_out, K, x.stride(0), weight.stride(0), float(eps),
-        M=M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
+        M=M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, SPLIT_P2=triton.next_power_of_2(split),
         NORM=norm_weight is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         PDL=pdl, num_warps=num_warps, **extra,
     )
