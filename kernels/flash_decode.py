@@ -58,6 +58,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..checks import is_int
 from .attention_ref import attention_ref, gather_kv
@@ -93,8 +94,11 @@ def _flash_decode_split(
     keys_bucket,  # not used by the kernel: part of the autotuning key only
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, HAS_WINDOW: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     IEEE: tl.constexpr, QUANT_KV: tl.constexpr, FUSED_COMBINE: tl.constexpr, SPLIT_GRAIN: tl.constexpr,
-    GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, MERGE_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # chapter 18: launched under the previous kernel's tail (q and the new K/V are its output)
+        gdc_wait()
+        gdc_launch_dependents()  # the o_proj GEMV after it may start streaming its weights now
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
     b = tl.program_id(2)
@@ -292,7 +296,7 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def flash_decode(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=None, sliding_window=None,
-                 num_splits=None, k_scale=None, v_scale=None, fused_combine=True):
+                 num_splits=None, k_scale=None, v_scale=None, fused_combine=True, pdl=False):
     """One query per sequence over its cached keys: q [B, Hq, D] -> out [B, Hq, D] in q's dtype.
 
     Caches [num_blocks, block_size, Hkv, D]; seqused_k [B] int32 counts each sequence's keys, the new
@@ -300,7 +304,8 @@ def flash_decode(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=N
     An fp8/int8 cache needs k_scale, v_scale (fp32 [Hkv]). fused_combine: with several splits, the
     last split of each (sequence, KV head) to finish merges them (one launch; launches on one device
     must then not run concurrently on two streams, as they share the counters); False launches
-    chapter 04's separate combine kernel.
+    chapter 04's separate combine kernel. pdl: launched with programmatic dependent launch (chapter 18;
+    a Hopper GPU, not the interpreter; the separate combine kernel is launched without).
     """
     _check_decode(q, k_cache, v_cache, seqused_k, block_table, sliding_window, num_splits, True, k_scale, v_scale)
     B, Hq, D = q.shape
@@ -333,6 +338,7 @@ def flash_decode(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=N
         # the merge's [GROUP, MERGE_CHUNK, D] fp32 tile: about 8k numbers, no more splits than the grid has
         SPLIT_GRAIN=SPLIT_GRAIN, GROUP=triton.next_power_of_2(group),
         MERGE_CHUNK=min(triton.next_power_of_2(num_splits), max(1, 8192 // (triton.next_power_of_2(group) * D))),
+        **({"PDL": True, "launch_pdl": True} if pdl else {}),
     )
     if not single and not fused:
         _flash_decode_combine[(B, Hq)](o_part, lse_part, out, out.stride(0), out.stride(1), Hq, num_splits,
@@ -341,7 +347,7 @@ def flash_decode(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=N
 
 
 def flash_decode_ref(q, k_cache, v_cache, seqused_k, block_table, *, softmax_scale=None, sliding_window=None,
-                     num_splits=None, k_scale=None, v_scale=None, fused_combine=True):
+                     num_splits=None, k_scale=None, v_scale=None, fused_combine=True, pdl=False):
     """flash_decode in plain PyTorch: each sequence's keys gathered (and dequantized, for an fp8/int8
     cache), then flash_attn's reference, fp32. num_splits is accepted for a matching signature;
     splitting does not change the result."""

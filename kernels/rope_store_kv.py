@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .checks import check_float_tensor
 from .quant_fp8 import round_fp8_e4m3, round_int8
@@ -81,7 +82,11 @@ def _rope_store_kv_kernel(
     num_slots, Hq, Hkv, D, eps,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr, QUANT: tl.constexpr, K_PER_CHANNEL: tl.constexpr, FOLD_K_SCALE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # chapter 18: launched under the projection's tail; everything it reads is that kernel's or older
+        gdc_wait()
+        gdc_launch_dependents()  # the attention kernel after it may be scheduled now
     t = tl.program_id(0).to(tl.int64)  # int64: T * token stride can pass 2^31 in a long prefill
     HALF = D // 2
     d = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
@@ -178,13 +183,14 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
                   q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
                   eps: float = 1e-6, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                  fold_k_scale: bool = False) -> torch.Tensor:
+                  fold_k_scale: bool = False, pdl: bool = False) -> torch.Tensor:
     """Rotate q [T, Hq, D] in place and write rotated k and v [T, Hkv, D] to their cache rows; -> q.
 
     cos, sin: [T, 1, D] or [T, D] in q's dtype (looked up for the T positions). Caches, slot_mapping,
     k_scale, v_scale: as store_kv's (a slot < 0 writes nothing). q_norm_weight, k_norm_weight [D]:
     Qwen3's per-head RMSNorm before the rotation. fold_k_scale: multiply q by the per-channel key scale
-    of its KV head (a quantized cache's k_scale [Hkv, D]). One launch, no host sync.
+    of its KV head (a quantized cache's k_scale [Hkv, D]). One launch, no host sync. pdl: launched with
+    programmatic dependent launch (chapter 18; a Hopper GPU, not the interpreter).
     """
     quantized = _check(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight,
                        k_scale, v_scale, fold_k_scale, True)
@@ -203,7 +209,7 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         HAS_NORM=q_norm_weight is not None,
         QUANT=0 if not quantized else 1 if k_cache.dtype == torch.float8_e4m3fn else 2,
         K_PER_CHANNEL=quantized and k_scale.dim() == 2, FOLD_K_SCALE=fold_k_scale,
-        num_warps=num_warps,
+        num_warps=num_warps, **({"PDL": True, "launch_pdl": True} if pdl else {}),
     )
     return q
 

@@ -328,6 +328,12 @@ PRESETS = {
     "qwen3-0.6b": dict(architecture="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                        num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, max_position_embeddings=40960,
                        rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, qk_norm=True),
+    # the published megakernel's model (Hazy "No Bubbles", chapter 18): Llama-3.2-1B's config.json
+    "llama-3.2-1b": dict(architecture="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                         num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, max_position_embeddings=131072,
+                         rms_norm_eps=1e-5, rope_theta=5e5, tie_word_embeddings=True,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     "llama-3-8b": dict(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
                        rms_norm_eps=1e-5, rope_theta=5e5),

@@ -54,7 +54,8 @@ THROUGHPUT_SIZES = dict(num_requests=(256, 8), min_input_len=(100, 16), max_inpu
 LATENCY_SIZES = dict(input_len=(128, 32), output_len=(256, 32))
 ENGINE_ARGS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "enforce_eager",
                "num_gpu_blocks", "preemption_mode", "enable_prefix_caching", "cuda_graph_max_tokens", "kv_cache_dtype",
-               "async_scheduling", "kv_offload_gb", "kv_offload_blocks")
+               "async_scheduling", "kv_offload_gb", "kv_offload_blocks",
+               "decode_backend")
 
 
 def _sizes(defaults: dict, given: dict, device: torch.device) -> dict:
@@ -333,6 +334,9 @@ def add_arguments(parser, workload: str) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N ranks (chapter 11): one GPU each, or N CPU processes (gloo)")
+    p.add_argument("--decode-backend", default=None, choices=["graphs", "pdl"],
+                   help="decode steps: CUDA graphs of today's kernels, or our GEMV with programmatic dependent "
+                        "launch inside the graphs (chapter 18; a Hopper GPU)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3", "int8"],
                    help="KV cache storage (chapter 08): fp8/int8 hold twice the tokens of bf16")
     p.add_argument("--enable-prefix-caching", type=_prefix_caching, default=None, help="off, hash or radix (chapter 06)")

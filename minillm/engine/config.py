@@ -85,6 +85,11 @@ class EngineConfig:
     # (Not vLLM's cpu_offload_gb: that one offloads weights.)
     kv_offload_gb: float = 0
     kv_offload_blocks: int | None = None
+    # how a decode step runs (chapter 18): "graphs" (chapter 07/13's kernels, cuBLAS projections, in a CUDA
+    # graph) or "pdl" (our split-K GEMV for the projections of steps of <= 8 tokens, each kernel launched with
+    # programmatic dependent launch so it reads its weights under the previous kernel's tail); "pdl" needs a
+    # Hopper GPU and a dense, unquantized Llama/Qwen3 model at TP = 1 without LoRA, and is refused otherwise
+    decode_backend: str = "graphs"
 
     def __post_init__(self):
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_batch"):
@@ -114,6 +119,7 @@ class EngineConfig:
             raise TypeError(f"enforce_eager must be True or False, not {self.enforce_eager!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise TypeError(f"async_scheduling must be True, False or None (auto), not {self.async_scheduling!r}")
+        check_choice("decode_backend", self.decode_backend, ("graphs", "pdl"))
         check_choice("structured_outputs_backend", self.structured_outputs_backend, ("minillm", "xgrammar"))
         if self.structured_outputs_backend == "xgrammar":  # not installed: say so before any model loads
             import_xgrammar()

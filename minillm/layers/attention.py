@@ -118,6 +118,7 @@ class Attention(nn.Module):
         self.register_buffer("v_scale", torch.ones(num_kv_heads, dtype=torch.float32), persistent=False)
         # What the attention kernels get as their per-head K scale: 1, as k_scale is folded into q.
         self.register_buffer("unit_k_scale", torch.ones(num_kv_heads, dtype=torch.float32), persistent=False)
+        self.pdl = False  # chapter 18 (layers/decode_gemv.py): rope_store_kv and flash_decode launched with PDL
         self.kv_scale_qmax: float | None = None  # None: not calibrated (a quantized cache is refused)
 
     kv_connector_hooks = True  # chapter 17: _cached calls a KV connector's layer hooks (other layers refuse one)
@@ -168,7 +169,7 @@ class Attention(nn.Module):
             norms = {} if q_norm is None else dict(q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight,
                                                    eps=q_norm.eps)
             q = rope_store_kv(q, k, v, *cos_sin, k_cache, v_cache, m.slot_mapping, fold_k_scale=quantized,
-                              **norms, **write_scales)
+                              **norms, **write_scales, **({"pdl": True} if self.pdl else {}))
         else:
             if cos_sin is not None:
                 q, k = rotate(q, k, cos_sin, q_norm, k_norm)
@@ -181,8 +182,9 @@ class Attention(nn.Module):
         triton = use_triton(q)
         if m.max_seqlen == 1:  # decode: one query per sequence over its whole cached past
             decode = flash_decode.flash_decode if triton else flash_decode.flash_decode_ref
+            pdl = {"pdl": True} if self.pdl and triton else {}  # chapter 18's decode_backend="pdl"
             out = decode(q, k_cache, v_cache, m.seq_lens, m.block_table, softmax_scale=self.scale,
-                         sliding_window=self.sliding_window, **scales)  # [B, Hq, D]
+                         sliding_window=self.sliding_window, **scales, **pdl)  # [B, Hq, D]
         else:
             prefill = flash_attn.flash_attn_varlen if triton else flash_attn.flash_attn_varlen_ref
             out = prefill(q, k_cache, v_cache, m.cu_seqlens, m.max_seqlen, seqused_k=m.seq_lens,

@@ -36,6 +36,7 @@ from ..layers import (
     VocabParallelEmbedding,
 )
 from ..layers.attention import rotate
+from ..layers.decode_gemv import gemv_fits, gemv_linear
 from ..layers.layernorm import fuses_into, norm_linear
 from ..layers.quantization import QuantizationConfig
 from .utils import load_weights
@@ -64,6 +65,11 @@ class LlamaAttention(nn.Module):
                 cos_sin: tuple[torch.Tensor, torch.Tensor], qkv: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, hidden]; or qkv: [T, (Hq + 2 Hkv) * D], the projection already made (norm_linear)
         qkv = self.qkv_proj(x) if qkv is None else qkv
+        return self.o_proj(self.attend(positions, qkv, attn_metadata, cos_sin))  # [T, Hq * D] -> [T, hidden]
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, attn_metadata: AttentionMetadata,
+               cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Attention of the projected qkv [T, (Hq + 2 Hkv) * D], before o_proj: -> [T, Hq * D]."""
         T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -75,7 +81,7 @@ class LlamaAttention(nn.Module):
         if not self.attn.fuses_rope(q, attn_metadata, *rope):
             q, k = rotate(q, k, *rope)
             rope = (None, None, None)
-        return self.o_proj(self.attn(q, k, v, positions, attn_metadata, *rope))  # [T, Hq * D] -> [T, hidden]
+        return self.attn(q, k, v, positions, attn_metadata, *rope)  # [T, Hq * D]
 
 
 class LlamaMLP(nn.Module):
@@ -101,6 +107,11 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, layer, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = self.make_mlp(config, layer, quant_config, f"{prefix}.mlp")
+        self.decode_gemv: str | None = None  # chapter 18: "gemv" or "pdl" once enabled (layers/decode_gemv.py)
+
+    def has_gemv_path(self) -> bool:
+        """Whether forward_gemv can run this layer: the dense one (not a MoE or latent-attention family's)."""
+        return isinstance(self.self_attn, LlamaAttention) and isinstance(self.mlp, LlamaMLP)
 
     def make_mlp(self, config: ModelConfig, layer: int, quant_config, prefix: str) -> nn.Module:
         """The block after attention; a MoE family (models/mixtral.py) returns its experts here."""
@@ -111,6 +122,8 @@ class LlamaDecoderLayer(nn.Module):
         # The residual stream is carried separately so each norm can fuse "add, then normalise"; for a
         # few tokens (decode) the norm also joins the next projection's kernel (chapter 13: norm_linear).
         attn = self.self_attn
+        if self.decode_gemv is not None and gemv_fits(self, x):
+            return self.forward_gemv(positions, x, residual, attn_metadata, cos_sin)
         if isinstance(attn, LlamaAttention) and fuses_into(self.input_layernorm, attn.qkv_proj, x):
             qkv, residual = norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
             x = attn(positions, None, attn_metadata, cos_sin, qkv=qkv)
@@ -127,6 +140,18 @@ class LlamaDecoderLayer(nn.Module):
             return self.mlp.down_proj(h), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def forward_gemv(self, positions, x, residual, attn_metadata, cos_sin):
+        """Chapter 18's decode layer: four GEMVs (layers/decode_gemv.py) around RoPE + KV store and
+        attention; the residual adds happen in o_proj's and down_proj's epilogues, so the stream h is
+        one tensor and the layer hands on (h, None)."""
+        attn, mlp = self.self_attn, self.mlp
+        h = x if residual is None else (x + residual)  # [T, hidden] (a previous layer off this path)
+        qkv = gemv_linear(self, h, attn.qkv_proj, norm=self.input_layernorm)  # [T, (Hq + 2 Hkv) * D]
+        a = attn.attend(positions, qkv, attn_metadata, cos_sin)  # [T, Hq * D]
+        h = gemv_linear(self, a, attn.o_proj, residual=h)  # [T, hidden]
+        g = gemv_linear(self, h, mlp.gate_up_proj, norm=self.post_attention_layernorm, silu_mul=True)  # [T, I]
+        return gemv_linear(self, g, mlp.down_proj, residual=h), None  # [T, hidden]
 
 
 class LlamaModel(nn.Module):
@@ -148,8 +173,8 @@ class LlamaModel(nn.Module):
         cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)  # [T, 1, head_dim] each, shared by all layers
         for layer in self.layers:
             x, residual = layer(positions, x, residual, attn_metadata, cos_sin)
-        x, _ = self.norm(x, residual)
-        return x
+        # residual None: the stream is x alone (chapter 18's GEMV layers add it in their epilogues)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -19,6 +19,7 @@ from ..cache.spec import cache_layers
 from ..forward_context import set_forward_context
 from ..layers import AttentionMetadata
 from ..layers.backend import get_kernel_mode
+from ..layers.decode_gemv import decode_gemv_refusal, enable_decode_gemv
 from ..layers.quantization.kv_cache import ensure_kv_scales
 from .block_table import PersistentBlockTable
 from .cuda_graphs import StepGraphs, cuda_graph_sizes, token_buckets
@@ -100,9 +101,24 @@ class ModelRunner:
         self.logits_per_seq = 1 + spec.num_speculative_tokens if spec is not None else 1
         self.enable_lora = getattr(config, "enable_lora", False)  # graphs then carry a per-token slot buffer
         self._first_layer = cache_layers(model)[0]
+        self.decode_backend = getattr(config, "decode_backend", "graphs")
+        # chapter 18: "pdl" sends the projections of decode steps through our GEMV; "graphs" (the model is
+        # shared: chapter 03's one-request path, a test's second engine) puts the layers' own path back
+        if self.decode_backend == "pdl":
+            self._enable_pdl()
+        else:
+            enable_decode_gemv(model, None)
         ensure_kv_scales(model, cache.specs[0].dtype)  # a quantized cache: scales calibrated before any graph
         cache.bind(model)
         self.graphs = self.make_graphs() if self.use_cuda_graphs else None
+
+    def _enable_pdl(self) -> None:
+        why = decode_gemv_refusal(self.model, self.device)
+        if why is None and self.enable_lora:
+            why = "LoRA adapters (enable_lora): the GEMV path has no adapter kernels"
+        if why is not None:
+            raise ValueError(f"decode_backend='pdl' is not supported here: {why}; use decode_backend='graphs'")
+        enable_decode_gemv(self.model, "pdl" if self.device.type == "cuda" else "gemv")  # the interpreter: no PDL
 
     def make_graphs(self, capture: bool = True, model=None) -> StepGraphs:
         """The static buffers and graphs; capture=False runs the same padded steps eagerly (tests).
