@@ -7,15 +7,11 @@ computing them.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
-from serve_utils import free_port, serve, stop
+from serve_utils import router, serve
 
 from minillm import LLM, SamplingParams
 
@@ -26,30 +22,6 @@ SYSTEM = "the cat sat on the mat and looked at the dog, who sat on the rug by th
 PROMPTS = [SYSTEM + "then", SYSTEM + "a b c", "hello there", SYSTEM + "the end"]
 
 
-@contextlib.contextmanager
-def router(prefill: str, decode: str, log_dir, timeout: float = 60.0):
-    port = free_port()
-    log = log_dir / f"router-{port}.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "minillm", "router", "--prefill", prefill, "--decode", decode,
-                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"minillm router exited with {proc.returncode}:\n{log.read_text()}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"minillm router not healthy after {timeout} s:\n{log.read_text()}")
-            time.sleep(0.2)
-        yield base
-    finally:
-        stop(proc)
-
-
 @pytest.fixture(scope="module", params=["SharedStorageConnector",
                                         pytest.param("SharedPoolConnector", marks=pytest.mark.slow)])
 def disagg(tiny_chat_model, tmp_path_factory, request):
@@ -57,8 +29,8 @@ def disagg(tiny_chat_model, tmp_path_factory, request):
     flags = ["--kv-connector", request.param, "--kv-path", str(kv), "--kv-load-timeout", "20"]
     with serve(tiny_chat_model, "--kv-role", "producer", *flags, log_dir=logs) as p, \
             serve(tiny_chat_model, "--kv-role", "consumer", *flags, log_dir=logs) as c, \
-            router(p.base, c.base, logs) as base:
-        yield base, p, c
+            router(p.base, c.base, logs) as r:
+        yield r.base, p, c
 
 
 @pytest.fixture(scope="module")
