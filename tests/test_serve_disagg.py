@@ -93,3 +93,31 @@ def test_errors_pass_through(disagg, tiny_chat_model):
         "model": str(tiny_chat_model), "prompt": "hi", "max_tokens": 2,
         "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "x"}})
     assert wrong.status_code == 400 and "kv_role is 'producer'" in wrong.text
+
+
+@pytest.mark.slow
+def test_consumer_dying_mid_answer(tiny_chat_model, tmp_path):
+    """Kill the consumer while it streams: the client gets an SSE error naming the decode server (not
+    a cut stream), and the producer keeps serving, with no KV block left held."""
+    logs, kv = tmp_path / "logs", tmp_path / "kv"
+    logs.mkdir()
+    flags = ["--kv-connector", "SharedPoolConnector", "--kv-path", str(kv), "--kv-send-timeout", "3"]
+    with serve(tiny_chat_model, "--kv-role", "producer", *flags, log_dir=logs) as p, \
+            serve(tiny_chat_model, "--kv-role", "consumer", *flags, log_dir=logs) as c, \
+            router(p.base, c.base, logs) as r:
+        body = {"model": str(tiny_chat_model), "prompt": SYSTEM + "and so", "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", r.base + "/v1/completions", json=body, timeout=120) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        c.proc.kill()
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert "the decode server" in error["message"] and c.base in error["message"]
+        assert len(events) < 400  # the stream was cut, and said so
+        again = httpx.post(p.v1 + "/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=60)
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 3
+        p.wait_idle(timeout=30)  # every block freed: the request's, and the transfer's after the timeout

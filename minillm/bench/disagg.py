@@ -237,7 +237,9 @@ def burst_itl(schedule: list, got: dict, t0: float, num_decodes: int) -> dict:
 
 
 def run(device: str | None = None, rates: str | None = None, num_prompts: int | None = None, slo: str | None = None,
-        slo_scale: float = 5.0, seed: int = 0, json_out: bool = False, workloads: str = "rates,burst") -> dict:
+        slo_scale: float = 5.0, seed: int = 0, json_out: bool = False, workloads: str = "rates,burst",
+        cluster: Cluster | None = None) -> dict:
+    """Both workloads on both setups; cluster: engine processes already started (a notebook's), kept open."""
     import torch
 
     from ..hw import device_name
@@ -253,7 +255,8 @@ def run(device: str | None = None, rates: str | None = None, num_prompts: int | 
               "setup": "1 device, 2 processes (producer + consumer) vs 1 colocated process; not two devices: "
                        "both engines share the device's compute and bandwidth", "rates": [], "burst": None}
     t_start = time.perf_counter()
-    cluster = Cluster(device, sizes["preset"], sizes["max_batched"])
+    own = cluster is None
+    cluster = cluster or Cluster(device, sizes["preset"], sizes["max_batched"])
     try:
         warm = poisson_schedule(math.inf, 4, sizes, vocab, seed + 99)
         for setup in ("colocated", "disagg"):
@@ -296,7 +299,8 @@ def run(device: str | None = None, rates: str | None = None, num_prompts: int | 
                 toks[setup] = [got[i][0] for i in range(len(schedule))]
             report["burst"]["tokens_equal"] = sum(a == b for a, b in zip(toks["colocated"], toks["disagg"]))
     finally:
-        cluster.close()
+        if own:
+            cluster.close()
     report["wall_s"] = time.perf_counter() - t_start
     if json_out:
         print(json.dumps(report))
