@@ -78,6 +78,10 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter("14", "Structured output", "14-structured-output.md", "14_structured_output", "14_structured_output",
             ("minillm/structured_output/", "minillm/engine/structured_output.py", "minillm/sampling/token_mask.py",
              "kernels/token_bitmask.py", "minillm/bench/structured.py", "minillm/bench/structured_cases.py")),
+    Chapter("17", "Disaggregated prefill and decode", "17-disaggregated-prefill-decode.md", "17_disaggregation",
+            "17_disaggregation",
+            ("minillm/distributed/kv_transfer/", "kernels/kv_block_copy.py", "minillm/entrypoints/router.py",
+             "minillm/bench/disagg.py")),
 )
 
 

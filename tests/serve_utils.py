@@ -70,14 +70,8 @@ class Server:
 
 
 @contextlib.contextmanager
-def serve(model: Path, *flags: str, log_dir: Path, env: dict | None = None, start_timeout: float = 120.0):
-    """Run `minillm serve` until the block ends; yields a Server once /health says 200."""
-    port = free_port()
-    log = log_dir / f"serve-{port}.log"
-    # one intra-op thread: tiny models gain nothing from more, and the machine has two cores to share
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "minillm", "serve", "--model", str(model), "--device", "cpu",
-           "--port", str(port), "--no-access-log", *flags]
+def healthy(cmd: list[str], name: str, port: int, log: Path, env: dict | None = None, start_timeout: float = 120.0):
+    """Run cmd (a server on port) until the block ends; yields a Server once /health says 200."""
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     server = Server(proc, port, log)
@@ -85,18 +79,39 @@ def serve(model: Path, *flags: str, log_dir: Path, env: dict | None = None, star
         deadline = time.monotonic() + start_timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"minillm serve exited with {proc.returncode}:\n{server.output()}")
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{server.output()}")
             try:
                 if httpx.get(f"{server.base}/health", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"minillm serve not healthy after {start_timeout} s:\n{server.output()}")
+                raise RuntimeError(f"{name} not healthy after {start_timeout} s:\n{server.output()}")
             time.sleep(0.2)
         yield server
     finally:
         stop(proc)
+
+
+@contextlib.contextmanager
+def serve(model: Path, *flags: str, log_dir: Path, env: dict | None = None, start_timeout: float = 120.0):
+    """Run `minillm serve` until the block ends; yields a Server once /health says 200."""
+    port = free_port()
+    # one intra-op thread: tiny models gain nothing from more, and the machine has two cores to share
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [sys.executable, "-m", "minillm", "serve", "--model", str(model), "--device", "cpu",
+           "--port", str(port), "--no-access-log", *flags]
+    with healthy(cmd, "minillm serve", port, log_dir / f"serve-{port}.log", env, start_timeout) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def router(prefill: str, decode: str, log_dir: Path, start_timeout: float = 60.0):
+    """Run `minillm router` in front of a producer and a consumer; yields its Server."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "minillm", "router", "--prefill", prefill, "--decode", decode, "--port", str(port)]
+    with healthy(cmd, "minillm router", port, log_dir / f"router-{port}.log", start_timeout=start_timeout) as server:
+        yield server
 
 
 def stop(proc: subprocess.Popen, timeout: float = 30.0) -> int:

@@ -209,7 +209,8 @@ def test_handles_are_checked(seed, tok, tmp_path):
 
 # ---- two processes: the producer's pool shared with a consumer in another process -------------------
 
-def _two_process_side(role: str, seed: int, device: str, kv_path: str, out_path: str) -> None:
+def _two_process_side(role: str, seed: int, device: str, kv_path: str, out_path: str,
+                      connector: str = "SharedPoolConnector") -> None:
     """One engine of a pair, in a spawned process: the producer (which also runs the colocated engine
     for the oracle) prefills and keeps stepping until the consumer has taken every transfer; the
     consumer's requests wait in WAITING_FOR_REMOTE_KVS until the producer publishes them."""
@@ -223,7 +224,7 @@ def _two_process_side(role: str, seed: int, device: str, kv_path: str, out_path:
     model = model.to(device)
     tok = train_bpe("\n".join(FIXED), vocab_size=300)
     requests = make_requests(random.Random(seed + 1), config.vocab_size, 4)
-    kv = {"kv_connector": "SharedPoolConnector", "kv_path": kv_path, "kv_role": role, "kv_load_timeout": 120.0,
+    kv = {"kv_connector": connector, "kv_path": kv_path, "kv_role": role, "kv_load_timeout": 120.0,
           "kv_send_timeout": 120.0}
     engine = LLMEngine(model, tok, [], EngineConfig(block_size=4, num_gpu_blocks=128, max_num_batched_tokens=16,
                                                     kv_transfer_config=kv))
@@ -243,10 +244,14 @@ def _two_process_side(role: str, seed: int, device: str, kv_path: str, out_path:
         json.dump(result, f)
 
 
-@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow),
-                                    pytest.param("cuda", marks=pytest.mark.skipif(
-                                        not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA IPC)"))])
-def test_shared_pool_across_processes(seed, tmp_path, device):
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA IPC)")]
+
+
+@pytest.mark.parametrize("device, connector", [
+    pytest.param("cpu", "SharedPoolConnector", marks=pytest.mark.slow),
+    pytest.param("cuda", "SharedPoolConnector", marks=_CUDA),
+    pytest.param("cuda", "CudaIpcConnector", marks=_CUDA)])
+def test_shared_pool_across_processes(seed, tmp_path, device, connector):
     """CUDA IPC on one GPU (shared memory on a CPU): the consumer maps the producer's pool from another
     process and decodes the colocated tokens; the producer frees every block once the consumer is done."""
     import json
@@ -254,7 +259,7 @@ def test_shared_pool_across_processes(seed, tmp_path, device):
 
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_two_process_side, args=(role, seed, device, str(tmp_path / "kv"),
-                                                         str(tmp_path / f"{role}.json")))
+                                                         str(tmp_path / f"{role}.json"), connector))
              for role in ("producer", "consumer")]
     for p in procs:
         p.start()

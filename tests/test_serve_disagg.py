@@ -7,15 +7,11 @@ computing them.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
-from serve_utils import free_port, serve, stop
+from serve_utils import router, serve
 
 from minillm import LLM, SamplingParams
 
@@ -26,30 +22,6 @@ SYSTEM = "the cat sat on the mat and looked at the dog, who sat on the rug by th
 PROMPTS = [SYSTEM + "then", SYSTEM + "a b c", "hello there", SYSTEM + "the end"]
 
 
-@contextlib.contextmanager
-def router(prefill: str, decode: str, log_dir, timeout: float = 60.0):
-    port = free_port()
-    log = log_dir / f"router-{port}.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "minillm", "router", "--prefill", prefill, "--decode", decode,
-                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"minillm router exited with {proc.returncode}:\n{log.read_text()}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"minillm router not healthy after {timeout} s:\n{log.read_text()}")
-            time.sleep(0.2)
-        yield base
-    finally:
-        stop(proc)
-
-
 @pytest.fixture(scope="module", params=["SharedStorageConnector",
                                         pytest.param("SharedPoolConnector", marks=pytest.mark.slow)])
 def disagg(tiny_chat_model, tmp_path_factory, request):
@@ -57,8 +29,8 @@ def disagg(tiny_chat_model, tmp_path_factory, request):
     flags = ["--kv-connector", request.param, "--kv-path", str(kv), "--kv-load-timeout", "20"]
     with serve(tiny_chat_model, "--kv-role", "producer", *flags, log_dir=logs) as p, \
             serve(tiny_chat_model, "--kv-role", "consumer", *flags, log_dir=logs) as c, \
-            router(p.base, c.base, logs) as base:
-        yield base, p, c
+            router(p.base, c.base, logs) as r:
+        yield r.base, p, c
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +93,31 @@ def test_errors_pass_through(disagg, tiny_chat_model):
         "model": str(tiny_chat_model), "prompt": "hi", "max_tokens": 2,
         "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "x"}})
     assert wrong.status_code == 400 and "kv_role is 'producer'" in wrong.text
+
+
+@pytest.mark.slow
+def test_consumer_dying_mid_answer(tiny_chat_model, tmp_path):
+    """Kill the consumer while it streams: the client gets an SSE error naming the decode server (not
+    a cut stream), and the producer keeps serving, with no KV block left held."""
+    logs, kv = tmp_path / "logs", tmp_path / "kv"
+    logs.mkdir()
+    flags = ["--kv-connector", "SharedPoolConnector", "--kv-path", str(kv), "--kv-send-timeout", "3"]
+    with serve(tiny_chat_model, "--kv-role", "producer", *flags, log_dir=logs) as p, \
+            serve(tiny_chat_model, "--kv-role", "consumer", *flags, log_dir=logs) as c, \
+            router(p.base, c.base, logs) as r:
+        body = {"model": str(tiny_chat_model), "prompt": SYSTEM + "and so", "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", r.base + "/v1/completions", json=body, timeout=120) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        c.proc.kill()
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert "the decode server" in error["message"] and c.base in error["message"]
+        assert len(events) < 400  # the stream was cut, and said so
+        again = httpx.post(p.v1 + "/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=60)
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 3
+        p.wait_idle(timeout=30)  # every block freed: the request's, and the transfer's after the timeout

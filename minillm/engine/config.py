@@ -55,7 +55,7 @@ class EngineConfig:
     # "minillm" (ours, structured_output/) or "xgrammar" (the PyPI package), behind the same mask point
     structured_outputs_backend: str = "minillm"
     # disaggregated prefill and decode (chapter 17; vLLM's kv_transfer_config): {"kv_connector":
-    # "SharedStorageConnector" | "SharedPoolConnector", "kv_role": "producer" | "consumer" | "both",
+    # "SharedStorageConnector" | "SharedPoolConnector" | "CudaIpcConnector", "kv_role": "producer" | "consumer" | "both",
     # "kv_path": DIR, ...} (distributed/kv_transfer/config.py); None: off
     kv_transfer_config: dict | KVTransferConfig | None = None
     # multi-LoRA serving (chapter 16), vLLM's names: requests may carry a LoRARequest; max_loras adapters

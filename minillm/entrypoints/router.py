@@ -11,12 +11,15 @@ client's own body to the consumer with {"do_remote_prefill": true, "transfer_id"
 loads those K/V, computes only the prompt's last token, and answers. Its answer (a JSON body or an
 SSE stream, the usage in it) goes back to the client byte for byte, and so does any error of
 either phase, with its status. A client that goes away mid-stream closes the consumer's stream,
-which aborts the request there.
+which aborts the request there; a consumer that dies mid-answer gives the client a 502 (or, mid-stream,
+an SSE error event and [DONE]) naming the decode server, and the producer, whose transfer nobody
+finished, frees its blocks after kv_send_timeout and keeps serving.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import uuid
 
@@ -44,6 +47,11 @@ def prefill_body(body: dict, transfer_id: str) -> dict:
 
 def decode_body(body: dict, transfer_id: str) -> dict:
     return {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id}}
+
+
+def broke_off(url: str, e: Exception) -> dict:
+    return {"error": {"message": f"the decode server {url} broke off its answer ({type(e).__name__}: {e}); the "
+                      "producer frees the prompt's KV after its kv_send_timeout", "type": "server_error"}}
 
 
 def build_router(prefill_url: str, decode_url: str, timeout: float = 600.0) -> FastAPI:
@@ -89,14 +97,20 @@ def build_router(prefill_url: str, decode_url: str, timeout: float = 600.0) -> F
                                            "type": "server_error"}}, 502)
         media = reply.headers.get("content-type")
         if not media or not media.startswith("text/event-stream"):
-            content = await reply.aread()
-            await reply.aclose()
+            try:
+                content = await reply.aread()
+            except httpx.HTTPError as e:  # the consumer died while it answered
+                return JSONResponse(broke_off(decode_url, e), 502)
+            finally:
+                await reply.aclose()
             return Response(content, reply.status_code, media_type=media)
 
         async def relay():
             try:
                 async for chunk in reply.aiter_raw():
                     yield chunk
+            except httpx.HTTPError as e:  # the consumer died mid-stream: say so, and end the stream properly
+                yield f"data: {json.dumps(broke_off(decode_url, e))}\n\ndata: [DONE]\n\n".encode()
             finally:  # also when the client went away: closing the stream aborts the request upstream
                 await reply.aclose()
 

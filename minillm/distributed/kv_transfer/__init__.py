@@ -8,14 +8,18 @@ distributed/kv_transfer).
     shared_storage.py  SharedStorageConnector: push, layer by layer through the file store
     shared_pool.py     SharedPoolConnector: pull, the consumer copies from the producer's own pool
                        (shared memory on a CPU, CUDA IPC on one GPU)
+    cuda_ipc.py        CudaIpcConnector: pull over CUDA IPC only (two processes on one GPU), one-pass
+                       run copies (kernels/kv_block_copy.py); refuses a CPU
 """
 
 from .base import KVConnectorBase, KVConnectorMetadata, KVTransferError, KVTransferStats, ReqLoad, ReqSave
 from .config import KVTransferConfig, check_kv_transfer_params, transfer_key
+from .cuda_ipc import CudaIpcConnector
 from .shared_pool import SharedPoolConnector
 from .shared_storage import SharedStorageConnector
 
-CONNECTORS = {"SharedStorageConnector": SharedStorageConnector, "SharedPoolConnector": SharedPoolConnector}
+CONNECTORS = {"SharedStorageConnector": SharedStorageConnector, "SharedPoolConnector": SharedPoolConnector,
+              "CudaIpcConnector": CudaIpcConnector}
 
 
 def make_kv_connector(config: KVTransferConfig, block_size: int, specs) -> KVConnectorBase:
@@ -25,6 +29,7 @@ def make_kv_connector(config: KVTransferConfig, block_size: int, specs) -> KVCon
 
 __all__ = [
     "CONNECTORS",
+    "CudaIpcConnector",
     "KVConnectorBase",
     "KVConnectorMetadata",
     "KVTransferConfig",

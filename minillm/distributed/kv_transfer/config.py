@@ -24,14 +24,14 @@ from dataclasses import dataclass
 from ...checks import check_choice, check_float
 
 KV_ROLES = ("producer", "consumer", "both")  # vLLM: kv_producer, kv_consumer, kv_both
-KV_CONNECTORS = ("SharedStorageConnector", "SharedPoolConnector")
+KV_CONNECTORS = ("SharedStorageConnector", "SharedPoolConnector", "CudaIpcConnector")
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
 _TRANSFER_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # a file name on every system, and no path
 
 
 @dataclass
 class KVTransferConfig:
-    kv_connector: str = "SharedStorageConnector"  # KV_CONNECTORS: a file store (push) or a shared pool (pull)
+    kv_connector: str = "SharedStorageConnector"  # KV_CONNECTORS: a file store (push), a shared pool or CUDA IPC (pull)
     kv_role: str = "both"  # producer saves, consumer loads, both does either per request
     kv_path: str = "/tmp/minillm_kv"  # the store's folder (SharedStorage) or the pool's rendezvous (SharedPool)
     # a consumer waits this long for a handle's K/V to appear (WAITING_FOR_REMOTE_KVS), then applies the policy

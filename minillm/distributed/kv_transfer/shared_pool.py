@@ -136,8 +136,9 @@ class SharedPoolConnector(KVConnectorBase):
         if self.device.type == "cuda":
             from torch.multiprocessing.reductions import reduce_tensor
 
-            for name, tensors in (("k", cache.k_caches), ("v", cache.v_caches)):
-                handles[name] = [reduce_tensor(t) if t is not None else None for t in tensors]
+            from .cuda_ipc import export_pool
+
+            handles = export_pool(cache.k_caches, cache.v_caches, reduce_tensor)
         else:
             self._shared_dir = self._path(self.pool_id)
             os.makedirs(self._shared_dir, exist_ok=True)
@@ -151,27 +152,33 @@ class SharedPoolConnector(KVConnectorBase):
                     shared.copy_(t)
                     tensors[i] = shared  # the pool is now the mapped file
                     handles[name].append((path, tuple(t.shape), str(t.dtype)))
+        self._publish_pool(handles)
+
+    def _publish_pool(self, handles: dict) -> None:
         with open(self._path(self.pool_id + ".pool.tmp"), "wb") as f:
             pickle.dump(handles, f)
         os.replace(self._path(self.pool_id + ".pool.tmp"), self._path(self.pool_id + ".pool"))
 
+    def _read_handles(self, pool_id: str) -> dict:
+        try:
+            with open(self._path(pool_id + ".pool"), "rb") as f:
+                return pickle.load(f)  # written by our producer (trusted as kv_path is)
+        except FileNotFoundError:
+            raise KVTransferError(f"producer pool {pool_id} is gone from {self.config.kv_path!r}") from None
+
     def _open_pool(self, pool_id: str) -> tuple[list, list]:
         """A producer's pool as [slots, row_bytes] uint8 views, mapped once per producer."""
         if pool_id not in self._pools:
-            try:
-                with open(self._path(pool_id + ".pool"), "rb") as f:
-                    handles = pickle.load(f)  # written by our producer (trusted as kv_path is)
-            except FileNotFoundError:
-                raise KVTransferError(f"producer pool {pool_id} is gone from {self.config.kv_path!r}") from None
+            handles = self._read_handles(pool_id)
             if handles["transport"] == "cuda_ipc":  # the producer's device memory, mapped into this process
-                def open_one(h):
-                    return h[0](*h[1])
+                from .cuda_ipc import open_pool
+
+                self._pools[pool_id] = open_pool(handles, pool_id, self.device)
             else:
                 def open_one(h):
-                    return _mapped(h[0], h[1], _dtype(h[2]))
-            k = [row_view(open_one(h)) for h in handles["k"]]
-            v = [row_view(open_one(h)) if h is not None else None for h in handles["v"]]
-            self._pools[pool_id] = (k, v)
+                    return row_view(_mapped(h[0], h[1], _dtype(h[2]))) if h is not None else None
+
+                self._pools[pool_id] = ([open_one(h) for h in handles["k"]], [open_one(h) for h in handles["v"]])
         return self._pools[pool_id]
 
     def start_load_kv(self) -> None:
@@ -180,10 +187,8 @@ class SharedPoolConnector(KVConnectorBase):
         self._t_load, self._jobs = time.perf_counter(), []
         for ld in self.meta.loads:
             src_k, src_v = self._open_pool(ld.source["pool"])
-            src = torch.tensor(slots_of(ld.source["blocks"], ld.source["block_size"], ld.start, ld.end),
-                               dtype=torch.long, device=self.device)  # [n] the producer's rows
-            dst = torch.tensor(ld.slots, dtype=torch.long, device=self.device)  # [n] ours
-            self._jobs.append((ld.key, src_k, src_v, src, dst))
+            src = slots_of(ld.source["blocks"], ld.source["block_size"], ld.start, ld.end)  # [n] the producer's rows
+            self._jobs.append((ld.key, src_k, src_v, self._plan(src, ld.slots), len(src)))
         self._events = None
         if self.device.type == "cuda":  # every layer's copy queued now on a side stream, one event a layer
             side, self._events = torch.cuda.Stream(), []
@@ -196,13 +201,22 @@ class SharedPoolConnector(KVConnectorBase):
                     self._events.append(torch.cuda.Event(enable_timing=True))
                     self._events[-1].record()
 
+    def _plan(self, src: list[int], dst: list[int]):
+        """How one load's rows are copied, worked out once per step for every layer: index tensors."""
+        return (torch.tensor(src, dtype=torch.long, device=self.device),  # [n] the producer's rows
+                torch.tensor(dst, dtype=torch.long, device=self.device))  # [n] ours
+
+    def _copy(self, src_rows, dst_rows, plan) -> None:
+        src, dst = plan
+        dst_rows.index_copy_(0, dst, src_rows.index_select(0, src))  # [n, row_bytes]: a gather, then a scatter
+
     def _copy_layer(self, i: int) -> None:
-        for _, src_k, src_v, src, dst in self._jobs:
-            self.k_rows[i].index_copy_(0, dst, src_k[i].index_select(0, src))  # [n, row_bytes]
-            self.stats.bytes_loaded += src.numel() * self.k_rows[i].shape[1]
+        for _, src_k, src_v, plan, n in self._jobs:
+            self._copy(src_k[i], self.k_rows[i], plan)
+            self.stats.bytes_loaded += n * self.k_rows[i].shape[1]
             if self.v_rows[i] is not None:
-                self.v_rows[i].index_copy_(0, dst, src_v[i].index_select(0, src))
-                self.stats.bytes_loaded += src.numel() * self.v_rows[i].shape[1]
+                self._copy(src_v[i], self.v_rows[i], plan)
+                self.stats.bytes_loaded += n * self.v_rows[i].shape[1]
 
     def wait_for_layer_load(self, layer) -> None:
         if self.meta is None or not self.meta.loads:

@@ -123,15 +123,24 @@ KV_OFFLOAD_FLAGS = [
 ENGINE_FLAGS += KV_EVICTION_FLAGS + KV_OFFLOAD_FLAGS
 
 
-def add_kv_eviction_args(p: argparse.ArgumentParser) -> None:
-    for flag, field, kind, text in KV_EVICTION_FLAGS + KV_OFFLOAD_FLAGS:
+def add_flags(p, flags: list[tuple]) -> None:
+    """(flag, field, type, help) rows as options that are absent from the namespace unless given."""
+    for flag, field, kind, text in flags:
         p.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS, help=text)
+
+
+def given(args: argparse.Namespace, flags: list[tuple]) -> dict:
+    """The fields of these rows given on the command line."""
+    return {field: getattr(args, field) for _, field, _, _ in flags if hasattr(args, field)}
+
+
+def add_kv_eviction_args(p: argparse.ArgumentParser) -> None:
+    add_flags(p, KV_EVICTION_FLAGS + KV_OFFLOAD_FLAGS)
 
 
 def kv_eviction_kwargs(args: argparse.Namespace) -> dict:
     """The chapter-15 EngineConfig fields given on the command line (eviction and the offload tier)."""
-    return {field: getattr(args, field) for _, field, _, _ in KV_EVICTION_FLAGS + KV_OFFLOAD_FLAGS
-            if hasattr(args, field)}
+    return given(args, KV_EVICTION_FLAGS + KV_OFFLOAD_FLAGS)
 
 
 def _lora_module(value: str) -> tuple[str, str]:
@@ -206,16 +215,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-root", default=None, metavar="DIR",
                    help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter at run time, for adapter "
                    "folders inside DIR only (off without it)")
-    g = p.add_argument_group("engine")
-    for flag, field, kind, text in ENGINE_FLAGS:
-        g.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS, help=text)
+    add_flags(p.add_argument_group("engine"), ENGINE_FLAGS)
     add_kv_transfer_args(p)
 
 
 # (flag, KVTransferConfig field, type, help): disaggregated prefill and decode (chapter 17)
 KV_FLAGS = [
-    ("--kv-connector", "kv_connector", str, "SharedStorageConnector (a file store, push) or SharedPoolConnector "
-     "(the consumer copies from the producer's shared-memory / CUDA-IPC pool)"),
+    ("--kv-connector", "kv_connector", str, "SharedStorageConnector (a file store, push), SharedPoolConnector "
+     "(the consumer copies from the producer's shared-memory / CUDA-IPC pool) or CudaIpcConnector (CUDA IPC only: "
+     "two processes on one GPU)"),
     ("--kv-role", "kv_role", str, "producer (prefills and saves), consumer (loads and decodes) or both"),
     ("--kv-path", "kv_path", str, "the folder both engines share (under /dev/shm for memory speed)"),
     ("--kv-load-timeout", "kv_load_timeout", _seconds, "a consumer waits this long for a handle's KV"),
@@ -242,21 +250,19 @@ def add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transfer-config", type=_json_object, default=None,
                    help='vLLM\'s form: a JSON object of the fields below, e.g. \'{"kv_connector": '
                    '"SharedStorageConnector", "kv_role": "producer", "kv_path": "/dev/shm/kv"}\'')
-    for flag, field, kind, text in KV_FLAGS:
-        g.add_argument(flag, dest=field, type=kind,
-                       default=argparse.SUPPRESS, help=text)
+    add_flags(g, KV_FLAGS)
 
 
 def kv_transfer_config(args: argparse.Namespace) -> dict | None:
     """--kv-transfer-config, with the single flags on top; None when neither was given."""
     config = dict(getattr(args, "kv_transfer_config", None) or {})
-    config.update({field: getattr(args, field) for _, field, _, _ in KV_FLAGS if hasattr(args, field)})
+    config.update(given(args, KV_FLAGS))
     return config or None
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The EngineConfig fields given on the command line (the others keep EngineConfig's defaults)."""
-    kwargs = {field: getattr(args, field) for _, field, _, _ in ENGINE_FLAGS if hasattr(args, field)}
+    kwargs = given(args, ENGINE_FLAGS)
     if args.enforce_eager:
         kwargs["enforce_eager"] = True
     if (kv := kv_transfer_config(args)) is not None:
