@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import threading
 import time
 
 import pytest
@@ -177,6 +178,42 @@ def test_many_short_chat_messages_are_rendered_off_the_event_loop(served, monkey
     assert http.post("/v1/chat/completions", json=few).status_code == 200
     assert http.post("/v1/chat/completions", json=many).status_code == 200
     assert where == ["loop", "thread"]
+
+
+def test_health_answers_while_big_chat_renders_run(served, monkeypatch):
+    """Eight 120,000-message chats froze /health for 14 s (probe round 4, M3). Each render here sleeps
+    1.5 s (as a big render takes its time; a sleep costs the two cores nothing): /health must answer
+    within 0.75 s while four of them run, as it cannot when they hold the event loop."""
+    http, app = served
+    tok = app.state.engine.engine.tokenizer
+    render, running = tok.apply_chat_template, []
+
+    def slow(*args, **kwargs):
+        running.append(1)
+        try:
+            time.sleep(1.5)
+            return render(*args, **kwargs)
+        finally:
+            running.pop()
+
+    monkeypatch.setattr(tok, "apply_chat_template", slow)
+    many = {"messages": [{"role": "user", "content": ""}] * 200, "max_tokens": 1}
+    threads = [threading.Thread(target=lambda: statuses.append(http.post("/v1/chat/completions", json=many).status_code))
+               for _ in range(4)]
+    statuses: list[int] = []
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while not running:  # a render has begun
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    t0 = time.perf_counter()
+    assert http.get("/health").status_code == 200
+    waited = time.perf_counter() - t0
+    for t in threads:
+        t.join(60)
+    assert statuses == [200] * 4
+    assert waited < 0.75, f"/health took {waited:.2f} s while chat templates rendered"
 
 
 def test_a_stream_that_fails_ends_with_an_error_event_and_done(served, monkeypatch):
