@@ -86,6 +86,10 @@ def parse_quantization(text: str | None):
             raise ValueError(f"--quantization options are key=value pairs after the name (awq:group_size=64), "
                              f"not {item!r}")
         options[key.strip()] = _value(value.strip())
+    if ("/" in name or name.startswith(("~", "."))) and not Path(name).is_dir():
+        # a path, not a method name (none has a slash or starts with . or ~): say that it is missing
+        raise ValueError(f"--quantization {name}: no such folder (a folder written by `minillm quantize`); "
+                         f"or give a method name such as {', '.join(METHODS)} or fp8")
     if Path(name).is_dir():  # a saved folder with load options: FOLDER:lm_head=none
         unknown = sorted(set(options) - {"lm_head"})
         if unknown:

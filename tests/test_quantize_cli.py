@@ -153,3 +153,11 @@ def test_cli_bad_arguments(tiny, tmp_path, capsys):
                           "--device", "cpu"], "group_size must be one of")]:
         assert main(argv) == 2
         assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["./no_such_dir", "~/no/such/q", "no_such/q:lm_head=none", "/no/such"])
+def test_quantization_naming_a_missing_folder_says_so(text):
+    """Probe round 3, m4 (still open in round 4): the message listed the method names and did not say
+    that the folder is missing."""
+    with pytest.raises(ValueError, match=r"--quantization .*: no such folder"):
+        parse_quantization(text)

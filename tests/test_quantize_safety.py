@@ -84,8 +84,8 @@ def test_overwrite_replaces_only_what_quantize_wrote(tiny, tmp_path, capsys, no_
     project = tmp_path / "proj"
     (project / "src").mkdir(parents=True)
     (project / "src" / "notes.txt").write_text("precious")
-    monkeypatch.chdir(project)
-    code, err = _quantize(capsys, "--model", str(tiny), "--out", ".", "--overwrite")
+    monkeypatch.chdir(tmp_path)  # `--out .` inside it: test_the_working_directory_and_home_are_never_replaced
+    code, err = _quantize(capsys, "--model", str(tiny), "--out", "proj", "--overwrite")
     assert code == 2 and "replaces only a folder written by `minillm quantize`" in err and "src" in err, err
     assert (project / "src" / "notes.txt").read_text() == "precious"
     # a quantize folder the user added a file to, and a folder with a foreign quant_config.json
@@ -138,3 +138,25 @@ def test_moe_models_are_refused_up_front(tmp_path, capsys, no_load):
     code, err = _quantize(capsys, "--model", str(moe), "--out", str(tmp_path / "q"))
     assert code == 2 and "routed experts" in err and "quantization='int8'" in err
     assert not (tmp_path / "q").exists()
+
+
+def test_the_working_directory_and_home_are_never_replaced(tiny, tmp_path, capsys, no_load, monkeypatch):
+    """Replacing moves --out aside and deletes it: `--out .` in an empty folder, or in one an earlier
+    quantize wrote, left the shell in a deleted working directory (probe round 4, M5). The working
+    directory, a folder holding it and the home directory are refused, with or without --overwrite."""
+    (tmp_path / "home").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    quantized = tmp_path / "old-q"
+    quantized.mkdir()
+    (quantized / "quant_config.json").write_text(json.dumps({"format": "minillm-quantized"}))
+    (quantized / "model.safetensors").write_bytes(b"old")
+    empty = tmp_path / "empty"
+    (empty / "deeper").mkdir(parents=True)
+    for cwd, out, extra in [(quantized, ".", ["--overwrite"]), (empty / "deeper", "..", ["--overwrite"]),
+                            (empty / "deeper", ".", []), (tmp_path, "~", []), (tmp_path, "~", ["--overwrite"])]:
+        monkeypatch.chdir(cwd)
+        code, err = _quantize(capsys, "--model", str(tiny), "--out", out, *extra)
+        assert code == 2 and ("working directory" in err or "home directory" in err), (cwd, out, err)
+        assert cwd.is_dir()
+    assert (quantized / "model.safetensors").read_bytes() == b"old"
+    assert (empty / "deeper").is_dir() and (tmp_path / "home").is_dir()

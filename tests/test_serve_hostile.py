@@ -6,7 +6,8 @@ uvicorn answers by dropping the connection, fails the test): the stop list and t
 lone surrogate in `model` is a 404 and an unexpected error a 500, neither re-raised; prompts x n is
 capped; a text too long for the context (or the request's token limit) is refused before it is
 tokenized, and tokenizing stops at the limit or when the client leaves; many short chat messages
-are rendered off the event loop; a stream that fails ends with an error event and [DONE]; padded
+are rendered off the event loop, and /health answers while they render; a big non-streamed answer
+is built off the loop, into the same JSON; a stream that fails ends with an error event and [DONE]; padded
 token ids have no bytes; a request's prompts share one stop list; API keys no client could send are
 refused. On 127.0.0.1 (slow): a head over --max-header-bytes is a 431, and a bad `model` keeps the
 keep-alive connection."""
@@ -17,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import threading
 import time
 
 import pytest
@@ -177,6 +179,84 @@ def test_many_short_chat_messages_are_rendered_off_the_event_loop(served, monkey
     assert http.post("/v1/chat/completions", json=few).status_code == 200
     assert http.post("/v1/chat/completions", json=many).status_code == 200
     assert where == ["loop", "thread"]
+
+
+def test_health_answers_while_big_chat_renders_run(served, monkeypatch):
+    """Eight 120,000-message chats froze /health for 14 s (probe round 4, M3). Each render here sleeps
+    1.5 s (as a big render takes its time; a sleep costs the two cores nothing): /health must answer
+    within 0.75 s while four of them run, as it cannot when they hold the event loop."""
+    http, app = served
+    tok = app.state.engine.engine.tokenizer
+    render, running = tok.apply_chat_template, []
+
+    def slow(conversation, **kwargs):
+        running.append(1)
+        try:
+            time.sleep(1.5)
+            return render(conversation[:1], **kwargs)  # one message's prompt: a short prefill
+        finally:
+            running.pop()
+
+    monkeypatch.setattr(tok, "apply_chat_template", slow)
+    many = {"messages": [{"role": "user", "content": ""}] * 70, "max_tokens": 1}  # off the loop by count
+    threads = [threading.Thread(target=lambda: statuses.append(http.post("/v1/chat/completions", json=many).status_code))
+               for _ in range(4)]
+    statuses: list[int] = []
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while not running:  # a render has begun
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    t0 = time.perf_counter()
+    assert http.get("/health").status_code == 200
+    waited = time.perf_counter() - t0
+    for t in threads:
+        t.join(60)
+    assert statuses == [200] * 4
+    assert waited < 0.75, f"/health took {waited:.2f} s while chat templates rendered"
+
+
+def _where() -> str:
+    try:
+        asyncio.get_running_loop()
+        return "loop"
+    except RuntimeError:
+        return "thread"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_big_non_streamed_answer_is_built_off_the_event_loop(served, monkeypatch, path):
+    """n=128 x 64 tokens x top-20 logprobs held the loop (and /health) for 6.5 s while its answer was
+    built (probe round 4, m4): past INLINE_RESPONSE_ENTRIES logprob entries it is built and serialized
+    in a worker thread, into the same JSON the loop would have sent."""
+    http, _ = served
+    import minillm.entrypoints.openai.serving_chat as chat_module
+    import minillm.entrypoints.openai.serving_completion as completion_module
+    from minillm.entrypoints.openai import serving_engine
+
+    module, name = ((chat_module, "ChatCompletionResponse") if "chat" in path
+                    else (completion_module, "CompletionResponse"))
+    where, real = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        where.append(_where())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    monkeypatch.setattr(serving_engine, "INLINE_RESPONSE_ENTRIES", 100)  # small answers, quick on 2 cores
+    head = ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 20} if "chat" in path
+            else {"prompt": "hi", "logprobs": 20})
+    big = {**head, "max_tokens": 4, "n": 2, "temperature": 0, "ignore_eos": True}  # 2 x 4 x 21 entries > 100
+    small = {**head, "max_tokens": 2, "temperature": 0, "ignore_eos": True}  # 2 x 21 <= 100
+    answers = [http.post(path, json=body) for body in (big, small)]
+    assert [a.status_code for a in answers] == [200, 200] and answers[0].headers["content-type"] == "application/json"
+    assert where == ["thread", "loop"]
+    monkeypatch.setattr(serving_engine, "INLINE_RESPONSE_ENTRIES", 10**9)
+    inline = http.post(path, json=big)
+    assert where[-1] == "loop"
+    strip = lambda r: {k: v for k, v in r.json().items() if k not in ("id", "created")}
+    assert strip(answers[0]) == strip(inline)
 
 
 def test_a_stream_that_fails_ends_with_an_error_event_and_done(served, monkeypatch):

@@ -134,6 +134,31 @@ def test_a_sequence_stops_where_the_naive_matcher_says(tok):
         assert seq.text == full[: end if include else end - len(stop)]
 
 
+def test_a_sequence_step_costs_the_same_with_5000_stops_as_with_one(tok):
+    """Through Sequence.append, the engine's per-token path (the cap keeps SamplingParams under 64
+    stops; set past it here, as a list of that size used to be accepted): str.find per stop made a
+    token cost 5000 finds (probe round 4, M2: a 3-token request beside one with 200k stops waited 16.7 s)."""
+    rng = random.Random(11)
+    ids = tok.encode(" ".join("".join(rng.choice("abcdefgh") for _ in range(5)) for _ in range(120)))
+    many = ["".join(rng.choice("XYZ") for _ in range(12)) for _ in range(5000)]  # never in the text
+
+    def cost(stops) -> float:
+        best = float("inf")
+        for _ in range(3):
+            params = SamplingParams(stop=["XYZXYZ"], max_tokens=10_000)
+            params.stop = stops
+            seq = Sequence(0, [1], params, 0, tok, [], 100_000)  # the automaton is built here, off the clock
+            t0 = time.perf_counter()
+            for t in ids:
+                seq.append(t)
+            best = min(best, time.perf_counter() - t0)
+            assert seq.finish_reason is None
+        return best
+
+    one, lots = cost(many[:1]), cost(many)
+    assert lots < 4 * one + 0.02, (one, lots)
+
+
 def test_min_tokens_hides_matches_before_it_but_keeps_reading(tok):
     ids = tok.encode("ab ab ab")  # "ab", " ab", " ab"
     seq = Sequence(0, [1], SamplingParams(stop=["ab"], min_tokens=2, max_tokens=100), 0, tok, [], 1000)

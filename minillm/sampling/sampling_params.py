@@ -27,8 +27,10 @@ from ..structured_output.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 # A request's stop list is matched in the engine's step and travels with each of its prompts to the
-# engine core: bounded, as servers bound it (OpenAI takes 4 strings), so that its memory and cost
-# stay proportional to the request (probe round 4, S1: 100,000 stops x 1024 prompts took 6 GB).
+# engine core: bounded, as OpenAI's API bounds it (4 strings), so that its memory and cost stay
+# proportional to the request (probe round 4, S1: 100,000 stops x 1024 prompts took 6 GB). vLLM and
+# llama.cpp's server take any number and check each string after every token; 64 keeps every list
+# seen in practice (chat templates' end markers, few-shot separators) and the automaton small.
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 8192  # all stop strings together
 MAX_TOP_K = 1 << 31  # far above any vocabulary; the sampler's int64 tensors must hold it

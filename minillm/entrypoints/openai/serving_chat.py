@@ -82,15 +82,19 @@ class OpenAIServingChat(OpenAIServing):
         if request.stream:
             return StreamingResponse(self._stream(request_id, created, requests, request.include_usage, marks, plan, lora),
                                      media_type="text/event-stream")
-        choices, generated = gather(await self.collect(requests, raw_request, (request_id, marks), lora), requests,
-                                    params.n)
-        return ChatCompletionResponse(
-            id=request_id, created=created, model=self.served_name(lora), usage=usage([len(ids)], generated),
-            choices=[ChatCompletionResponseChoice(
-                index=i, message=(message := self._message("".join(c.text), plan)),
-                finish_reason=c.finish_reason if not message.tool_calls else finish_reason(c.finish_reason),
-                stop_reason=c.stop_reason, logprobs=self._logprobs(c.token_ids, c.logprobs, params.logprobs))
-                for i, c in enumerate(choices)])
+        deltas = await self.collect(requests, raw_request, (request_id, marks), lora)
+
+        def build() -> ChatCompletionResponse:
+            choices, generated = gather(deltas, requests, params.n)
+            return ChatCompletionResponse(
+                id=request_id, created=created, model=self.served_name(lora), usage=usage([len(ids)], generated),
+                choices=[ChatCompletionResponseChoice(
+                    index=i, message=(message := self._message("".join(c.text), plan)),
+                    finish_reason=c.finish_reason if not message.tool_calls else finish_reason(c.finish_reason),
+                    stop_reason=c.stop_reason, logprobs=self._logprobs(c.token_ids, c.logprobs, params.logprobs))
+                    for i, c in enumerate(choices)])
+
+        return await self.respond(build, deltas, params.logprobs)  # a big one is built off the loop
 
     @staticmethod
     def _message(text: str, plan: ToolPlan | None) -> AssistantMessage:

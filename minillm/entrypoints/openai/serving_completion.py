@@ -99,15 +99,19 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream:
             return StreamingResponse(self._stream(request_id, created, requests, request.include_usage, marks, lora),
                                      media_type="text/event-stream")
-        choices, generated = gather(await self.collect(requests, raw_request, (request_id, marks), lora), requests,
-                                    params.n)
-        return CompletionResponse(
-            id=request_id, created=created, model=self.served_name(lora),
-            usage=usage([len(ids) for _, ids, _ in requests], generated),
-            choices=[CompletionResponseChoice(
-                index=i, text="".join(c.text), finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                logprobs=None if params.logprobs is None else logprobs(c.token_ids, c.logprobs, 0))
-                for i, c in enumerate(choices)])
+        deltas = await self.collect(requests, raw_request, (request_id, marks), lora)
+
+        def build() -> CompletionResponse:
+            choices, generated = gather(deltas, requests, params.n)
+            return CompletionResponse(
+                id=request_id, created=created, model=self.served_name(lora),
+                usage=usage([len(ids) for _, ids, _ in requests], generated),
+                choices=[CompletionResponseChoice(
+                    index=i, text="".join(c.text), finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    logprobs=None if params.logprobs is None else logprobs(c.token_ids, c.logprobs, 0))
+                    for i, c in enumerate(choices)])
+
+        return await self.respond(build, deltas, params.logprobs)  # a big one is built off the loop
 
     def _check_text_lengths(self, texts: list[str | list[int]]) -> None:
         """Texts that could never fit, by their length alone: one longer than the context could hold,

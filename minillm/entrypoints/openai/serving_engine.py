@@ -19,6 +19,8 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing
 
+from fastapi.responses import Response
+
 from ...engine.async_llm_engine import AsyncLLMEngine
 from ...inputs import check_length
 from ...outputs import CompletionOutput, RequestOutput
@@ -72,6 +74,13 @@ async def tokenize(chars: int, fn: Callable, *args, **kwargs):
     return await asyncio.to_thread(fn, *args, **kwargs)
 
 
+# A non-streamed answer of more logprob entries than this (tokens x (1 + top_logprobs)) is built and
+# serialized in a worker thread: n=128 x 64 tokens x top-20 logprobs (12.5 MB of JSON) held the event
+# loop, and /health with it, for 6.5 s (probe round 4, m4). Smaller ones stay on the loop (a thread hop
+# costs more than they do).
+INLINE_RESPONSE_ENTRIES = 1024
+
+
 KEEP_TIMINGS = 1024  # the most recent requests whose path in time GET /debug/timing/{id} can show
 
 
@@ -117,6 +126,16 @@ class OpenAIServing:
     def served_name(self, lora_request) -> str:
         """The `model` an answer names: the adapter's, when the request picked one (as vLLM answers)."""
         return self.model_name if lora_request is None else lora_request.lora_name
+
+    async def respond(self, build: Callable, deltas: list[RequestOutput], top: int | None):
+        """build() -> the pydantic answer of these deltas: returned as it is when it holds few logprob
+        entries (FastAPI serializes it on the loop), else built and serialized to JSON in a worker
+        thread, so that the loop only writes the bytes."""
+        tokens = sum(len(out.token_ids) for d in deltas for out in d.outputs)
+        if top is None or tokens * (1 + top) <= INLINE_RESPONSE_ENTRIES:
+            return build()
+        body = await asyncio.to_thread(lambda: build().model_dump_json().encode())
+        return Response(body, media_type="application/json")
 
     def max_chars(self, tokens: int) -> int | None:
         """The most characters a text of `tokens` tokens can have (None: no such bound): no token covers

@@ -68,7 +68,8 @@ def saved_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def check_out(out: str | Path, model: str | Path | None = None, overwrite: bool = False) -> Path:
     """Where `minillm quantize` may write, checked before anything loads: -> the folder's absolute path.
     Refused: a file; the model's own folder, a folder inside it or one holding it; a folder that is not
-    empty (unless overwrite); a place this user cannot create a folder in."""
+    empty (unless overwrite); the working directory, a folder holding it, or the home directory (the
+    old folder is deleted when replaced); a place this user cannot create a folder in."""
     out = Path(out).expanduser().absolute()
     if out.is_file() or (out.exists() and not out.is_dir()):
         raise ValueError(f"--out {out} is a file; quantize writes a folder (quant_config.json, {TENSORS_FILE})")
@@ -81,6 +82,14 @@ def check_out(out: str | Path, model: str | Path | None = None, overwrite: bool 
                              f"model's own files; choose a folder outside it")
         if real_out in real_here.parents and out.is_dir():  # overwriting it would delete the model
             raise ValueError(f"--out {out} holds the model {source}; choose a folder outside it")
+    if out.is_dir():  # replacing moves the folder aside and deletes it: never where a shell or a user lives
+        real_out, cwd = Path(os.path.realpath(out)), Path(os.path.realpath(Path.cwd()))
+        if real_out == cwd or real_out in cwd.parents:
+            raise ValueError(f"--out {out} is the working directory or holds it: quantize replaces the folder "
+                             f"whole, which would delete it; name a new folder in it (--out ./quantized)")
+        if real_out == Path(os.path.realpath(Path.home())):
+            raise ValueError(f"--out {out} is the home directory: quantize replaces the folder whole; name a new "
+                             f"folder in it")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"--out {out} is not empty; choose a new folder, or pass --overwrite to replace it")
     parent = next(p for p in out.parents if p.exists())  # where the folder (and its parents) will be made
