@@ -15,6 +15,7 @@ import random
 import re
 
 import pytest
+import torch
 from tiny_models import random_model
 
 from minillm.engine import EngineConfig, LLMEngine
@@ -69,7 +70,7 @@ def _requests(rng: random.Random, vocab: int):
 def _run(model, tok, reqs, overlap: bool, backend: str, **config):
     engine = LLMEngine(model, tok, [tok.eos_token_id], EngineConfig(
         block_size=config.pop("block_size", 8), num_gpu_blocks=config.pop("num_gpu_blocks", 256), async_scheduling=overlap,
-        structured_outputs_backend=backend, **config))
+        structured_outputs_backend=backend, **config), progress=False)
     for rid, prompt, sp, _, _ in reqs:
         engine.add_request(rid, prompt, sp)
     got, overlapped = {}, 0
@@ -157,3 +158,27 @@ def test_sample_tokens_without_a_deferred_step_is_an_error(seed, tok):
     engine = LLMEngine(model, tok, [tok.eos_token_id], EngineConfig(block_size=8, num_gpu_blocks=32))
     with pytest.raises(ValueError, match="no step is waiting"):
         engine.executor.sample_tokens(None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs, pinned uploads, Triton)")
+@pytest.mark.parametrize("backend", _backends())
+def test_overlapped_grammars_on_gpu_with_cuda_graphs(seed, tok, backend):
+    """On the GPU (CUDA graphs, the mask from pinned memory, the Triton apply kernel, the device sampler):
+    overlap on (the default there) gives the outputs of overlap off, every constrained output valid. fp32,
+    so a batch shape's GEMM choice cannot flip near-ties."""
+    rng = random.Random(seed)
+    model, _ = random_model(rng, vocab_size=len(tok.vocab))
+    model = model.to("cuda")
+    reqs = _requests(rng, len(tok.vocab))
+    outs = []
+    for overlap in (None, False):
+        got, overlapped, engine = _run(model, tok, reqs, overlap, backend, cuda_graph_max_batch=16)
+        assert engine.runner.graphs is not None and (overlapped > 0) is (overlap is None)
+        outs.append(got)
+        engine.shutdown()
+    assert outs[0] == outs[1]
+    for rid, _, _, kind, spec in reqs:
+        for text, _, reason in outs[0][rid]:
+            if kind is not None:
+                assert reason == "stop" and _valid(kind, spec, text), (rid, text, reason)
