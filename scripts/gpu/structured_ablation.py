@@ -140,6 +140,7 @@ def profile(engine, prompt, batch, constrained, mode, max_tokens, path_prefix) -
 
     kind, how = mode.split("-")
     engine.async_scheduling = how == "overlap"
+    engine.structured._matcher = StubMatcher if kind == "stub" else engine._real_matcher
     so = StructuredOutputsParams(json=cases_.PEOPLE_SCHEMA)
     for i in range(batch):
         sp = (SamplingParams(max_tokens=max_tokens, temperature=0, structured_outputs=so) if i < constrained and
@@ -157,6 +158,7 @@ def profile(engine, prompt, batch, constrained, mode, max_tokens, path_prefix) -
         wall = time.perf_counter() - t0
     while engine.has_unfinished_requests():
         engine.step(unfinished_outputs=False)
+    engine.structured._matcher = engine._real_matcher
     events = prof.key_averages()
     dev = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events)
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
