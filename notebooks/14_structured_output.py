@@ -240,9 +240,10 @@ plt.show()
 #
 # A constrained step pays, on the host, the bitmask fill and the matcher's advance for each constrained
 # sequence (`grammar_ms`), and, on the device, the mask's upload and application (`apply` below: the
-# plain-PyTorch path the worker runs, and the Triton kernel on a GPU). Constrained requests also leave
-# chapter 13's overlapped step (their next mask needs the token just sampled), which is the part of the
-# gap the grammar's own milliseconds do not explain.
+# plain-PyTorch reference, and the Triton kernel the worker runs on a GPU). With overlap scheduling on (a
+# GPU's default) constrained steps stay overlapped: the engine queues a step's forward pass first, then
+# fills its mask from the previous step's tokens while the GPU runs it
+# (`chapters/bench/structured-overlap-design.md`; `scripts/gpu/structured_ablation.py` splits the rest).
 
 # %%
 s = res["summary"]

@@ -11,7 +11,10 @@ Four tables, every figure a median over `repeats` alternating repeats with its s
             checks they are the same set
   decode    the engine on the model: decode tok/s with every request free vs with the constrained
             ones (batch 1: the request; larger batches: half of them) asking for a JSON list of
-            records; the host time the grammar costs per step (bitmask fill + accept), against the step
+            records; the host time the grammar costs per step (bitmask fill + accept), against the step.
+            With overlap on (a GPU's default) the constrained steps overlap too: the mask is filled
+            while the GPU runs the step's forward pass (scripts/gpu/structured_ablation.py splits
+            the rest of the difference)
   validity  every output of the test set's schemas and regexes (and fresh random schemas) checked
             by jsonschema / re.fullmatch; how many steps jump-forward could have skipped (the grammar
             forced the token's bytes), measured on those outputs: jump-forward itself is not built
@@ -298,6 +301,7 @@ def run(model=None, *, tokenizer=None, quick=None, repeats=3, walk_steps=None, b
         if device.type == "cuda":  # Triton's compiles and the CUDA graphs' captures, outside the timed steps
             engine.warm_up(max_prompt_len=256)
         if "decode" in parts:
+            result["async_scheduling"] = engine.async_scheduling  # constrained requests overlap too (chapter 14)
             result["decode"], ratios = decode_rows(engine, tok, batch_sizes, max_tokens, repeats)
             print_table(result["decode"], ["batch", "mode", "constrained", "repeat", "full_batch_tok_s", "decode_tok_s",
                                            "step_ms", "grammar_ms", "full_batch_steps"], title="decode: constrained vs free")

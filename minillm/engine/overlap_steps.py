@@ -24,13 +24,23 @@ next step at all. Blocks filled by a step are named for the prefix cache when it
 and a stopped sequence's blocks are freed only after the step that still writes them was queued
 (the GPU runs steps in order, so a later owner of a block writes after it).
 
+A request with a grammar (chapter 14) keeps the overlap: its mask for step N+1 needs its token of
+step N, so a step with a grammar splits point 3 in two (vLLM's execute_model / sample_tokens):
+
+    2'. launch N+1's forward pass alone (the worker keeps its logits on the device)
+    3'. wait for step N's tokens (they were sampled before N+1's forward pass, so they come first),
+        feed them to the matchers, fill N+1's bitmask, then launch N+1's masked sampling
+
+The GPU runs N+1's forward pass while the host waits and fills; it waits for the host only if the
+fill outlasts the forward pass (chapters/bench/structured-overlap-design.md).
+
 Requests whose next token depends on what the host has seen (logprobs, penalties, min_tokens) and
 speculative decoding use the plain step: the engine first drains the step in flight.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..outputs import RequestOutput
 from ..sampling.device_sampler import SampledTokens, device_samplable
@@ -44,12 +54,13 @@ class InflightStep:
     sampled: SampledTokens
     filled: list[tuple[Sequence, int, int]]  # (sequence, computed tokens before, after) for block naming
     unfinished_outputs: bool
+    tokens: list[int] | None = None  # once read on the host (and fed to the grammars: accept_grammars)
+    errors: dict[int, Exception] = field(default_factory=dict)  # seq_id -> a token its grammar refused
 
 
 def needs_host_sampling(params) -> bool:
     """A request the overlapped step cannot serve, for its whole life (see the module docstring)."""
-    # (a grammar's next mask needs the token just sampled: engine/structured_output.py)
-    return not device_samplable(params, 0) or params.structured_outputs is not None
+    return not device_samplable(params, 0)
 
 
 class OverlapSteps:
@@ -72,8 +83,12 @@ class OverlapSteps:
             step = self._prepare(sched, logits_indices)
             seqs, rows = self._sampling_order(sched, samplers)
             # sampled on the device, each row's RNG counter counting its pending tokens too
-            step.sampling = sampling_input(seqs, rows, on_device=True) if seqs else None
-            out = self.executor.execute_model(step)
+            grammar = self.structured.any_structured(seqs)  # its mask waits for step N's tokens (3')
+            step.sampling = sampling_input(seqs, rows, on_device=True, defer_bitmask=grammar) if seqs else None
+            out = self.executor.execute_model(step)  # queued; with a grammar, the forward pass alone
+            if grammar:  # while the GPU runs it: step N's tokens into the grammars, N+1's mask, its sampling
+                self.accept_grammars(prev)
+                out = self.executor.sample_tokens(self.structured.bitmask(seqs))
             if out.kv_stats is not None:
                 self.engine_stats.kv.add(out.kv_stats)
             filled = self._count_computed(sched)
@@ -113,15 +128,33 @@ class OverlapSteps:
         prev, self._inflight = self._inflight, None
         return self._process(prev) if prev is not None else []
 
+    def accept_grammars(self, step: InflightStep | None) -> None:
+        """Read step N's tokens (waiting for their copy, not for the work queued after it) and feed each
+        to its sequence's grammar, once; a token a grammar refuses fails its request in _process."""
+        if step is None or step.tokens is not None:
+            return
+        step.tokens = step.sampled.tolist()
+        for seq, token in zip(step.seqs, step.tokens):
+            if token < 0 or seq.finished or seq.seq_id not in self._group_of:  # as _process skips them
+                continue
+            try:
+                self.structured.accept(seq.seq_id, token)  # a dict lookup for a free sequence
+            except ValueError as e:
+                step.errors[seq.seq_id] = e
+
     def _process(self, step: InflightStep) -> list[RequestOutput]:
         """Step N's bookkeeping, once its tokens reach the host (the GPU meanwhile runs step N+1)."""
-        tokens = step.sampled.tolist()
+        self.accept_grammars(step)  # (done already when step N+1 had a grammar)
+        tokens = step.tokens
         self._name_blocks(step.filled)  # every token these blocks hold is known now
         live, errors = [], {}
         for seq, token in zip(step.seqs, tokens):
             seq.take_pending()
             group = self._group_of.get(seq.seq_id)
             if group is None or seq.finished:  # aborted, failed, or stopped by its previous token
+                continue
+            if seq.seq_id in step.errors:
+                errors[group] = step.errors[seq.seq_id]
                 continue
             if token < 0:
                 errors[group] = ValueError("Sampler: the logits have no finite value for an allowed token (all NaN "

@@ -58,10 +58,11 @@ def prepare_decode_input(seqs: list[Sequence], block_tables: dict[int, list[int]
 
 
 def sampling_input(seqs: list[Sequence], rows: list[int], on_device: bool = False,
-                   bitmask=None) -> SamplingInput:
+                   bitmask=None, defer_bitmask: bool = False) -> SamplingInput:
     """How the worker samples this step (worker/sample_step.py): seqs in the order of the answer, each
     with its first logits row (rows). A sequence with drafts verifies them on its next k rows.
-    bitmask: the grammars' allowed tokens, a row per sequence (engine/structured_output.py)."""
+    bitmask: the grammars' allowed tokens, a row per sequence (engine/structured_output.py);
+    defer_bitmask: it comes later, with the executor's sample_tokens (overlap_steps.py)."""
     params = [s.params for s in seqs]
     penalties = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params)
     drafting = [s for s in seqs if s.spec_token_ids]
@@ -70,4 +71,4 @@ def sampling_input(seqs: list[Sequence], rows: list[int], on_device: bool = Fals
         rows, [len(s.spec_token_ids) for s in seqs], [t for s in drafting for t in s.spec_token_ids], params,
         [s.seed for s in seqs], [len(s.output_ids) + s.num_pending for s in seqs], [s.banned_tokens() for s in seqs],
         [s.prompt_ids for s in seqs] if penalties else None, [s.output_ids for s in seqs] if penalties else None,
-        probs if probs and all(p is not None for p in probs) else None, on_device, bitmask)
+        probs if probs and all(p is not None for p in probs) else None, on_device, bitmask, defer_bitmask)

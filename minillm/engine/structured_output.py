@@ -17,9 +17,14 @@ A request is checked (`validate`) where the client waits, cheaply: our front-end
 the token index, or xgrammar's compile (milliseconds, cached); the full compile comes when the engine
 accepts the request (`compile`, a cache hit for a repeated schema).
 
-What this first version leaves to later: structured requests get no draft tokens (chapter 09's
-verify would need the matcher's rollback), and take the plain step, not the overlapped one (their
-next mask needs the token just sampled on the host).
+Under overlap scheduling (overlap_steps.py) a step's mask needs the token the step before sampled,
+which reaches the host only once that step has run: the engine queues the step's forward pass first,
+then waits for the previous tokens, feeds them to the matchers (`accept`), fills this step's mask
+(`bitmask`) and only then queues the sampling, so the GPU computes the forward pass meanwhile
+(chapters/bench/structured-overlap-design.md).
+
+What this version leaves to later: structured requests get no draft tokens (chapter 09's verify would
+need the matcher's rollback).
 """
 
 from __future__ import annotations
@@ -75,16 +80,27 @@ class StructuredOutputManager:
     def remove(self, seq_id: int) -> None:
         self.matchers.pop(seq_id, None)
 
+    def any_structured(self, seqs) -> bool:
+        """Whether some sequence of the step follows a grammar (the usual step: one test)."""
+        matchers = self.matchers
+        return bool(matchers) and any(s.seq_id in matchers for s in seqs)
+
     def bitmask(self, seqs) -> np.ndarray | None:
         """[S, ceil(V / 32)] int32, row i the allowed tokens of seqs[i] (-1: a free row); None when no
         sequence of the step is structured (the usual step pays one test)."""
         matchers = self.matchers
-        if not matchers or not any(s.seq_id in matchers for s in seqs):
+        if not self.any_structured(seqs):
             return None
         rows = np.full((len(seqs), (self.vocab_size + 31) // 32), -1, dtype=np.int32)
         for i, s in enumerate(seqs):
             m = matchers.get(s.seq_id)
-            if m is not None:
+            if m is None:
+                continue
+            if m.is_terminated():  # it accepted EOS last step (overlap: this step's token is thrown away);
+                rows[i] = 0  # xgrammar refuses to fill then: only the stop tokens, as our Matcher writes
+                for t in self.eos_token_ids:
+                    rows[i, t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+            else:
                 m.fill_bitmask(rows[i])
         return rows
 

@@ -17,6 +17,8 @@ The calls, in the order an engine makes them:
                                         chapter 15's offload tier)
     propose(seqs, num_spec, changes)    chapter 09's drafts (the block tables' changes first)
     execute_model(model_input)          -> ModelRunnerOutput: the step's tokens, sampled by the worker
+                                        (None when model_input.sampling.defer_bitmask: then
+    sample_tokens(bitmask)              -> its ModelRunnerOutput, the grammars' mask applied; chapter 14)
     capture_token_buckets()             every prefill graph now (warm-up)
     shutdown()                          give the memory back
 """
@@ -44,6 +46,11 @@ class Executor(ABC):
         """Run and sample the step -> its tokens (logits only when model_input.sampling is None). The
         rows model_input.prev_token_dst names take the tokens the worker sampled last, on the device
         (overlap scheduling)."""
+
+    @abstractmethod
+    def sample_tokens(self, bitmask) -> ModelRunnerOutput:
+        """Sample the step execute_model queued with sampling.defer_bitmask, under this bitmask
+        ([S, ceil(V / 32)] int32 numpy, or None): vLLM's sample_tokens(grammar_output)."""
 
     @abstractmethod
     def swap_and_copy(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],

@@ -27,7 +27,7 @@ import torch
 
 from ..worker.block_table import PersistentBlockTable
 from ..worker.model_input import ModelInput, ModelRunnerOutput
-from ..worker.sample_step import StepSampler, sample_step
+from ..worker.sample_step import StepSampler, sample_deferred, sample_step
 from .abstract import Executor
 
 _P = (1 << 31) - 1  # a prime: h stays an exact int64 (token < 2^17, R < 2^20, positions < 2^14)
@@ -157,6 +157,13 @@ class FakeExecutor(Executor):
         logits = self._logits(step, table)
         self.num_steps += 1
         out, on_device = sample_step(self.sampler, logits, step.sampling)
+        if out is None:  # the grammars' bitmask comes with sample_tokens
+            return None
+        self.last_sampled = on_device if on_device is not None else self.last_sampled
+        return out
+
+    def sample_tokens(self, bitmask) -> ModelRunnerOutput:
+        out, on_device = sample_deferred(self.sampler, bitmask)
         self.last_sampled = on_device if on_device is not None else self.last_sampled
         return out
 

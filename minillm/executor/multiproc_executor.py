@@ -232,6 +232,10 @@ class MultiprocExecutor(Executor):
 
         return self._call("execute_model", model_input, num_prev, local=run)
 
+    def sample_tokens(self, bitmask) -> ModelRunnerOutput:
+        """Rank 0 alone samples (the other ranks ran the step with sample=False): nothing to send."""
+        return self.worker.sample_tokens(bitmask)
+
     def swap_and_copy(self, swap_out, swap_in, copies, offload_save=(), offload_load=()) -> None:
         # every rank moves its own shard of the same blocks (chapter 15's offload tier too)
         self._call("swap_and_copy", swap_out, swap_in, copies, offload_save, offload_load)

@@ -33,6 +33,9 @@ class UniprocExecutor(Executor):
     def execute_model(self, model_input: ModelInput) -> ModelRunnerOutput:
         return self.worker.execute_model(model_input)
 
+    def sample_tokens(self, bitmask) -> ModelRunnerOutput:
+        return self.worker.sample_tokens(bitmask)
+
     def swap_and_copy(self, swap_out, swap_in, copies, offload_save=(), offload_load=()) -> None:
         self.worker.swap_and_copy(swap_out, swap_in, copies, offload_save, offload_load)
 

@@ -7,13 +7,16 @@ greedy argmax, the Sampler, the device sampler and the rejection sampler all pic
 tokens; the log-probabilities a request asks for still come from the model's raw logits.
 
 A grammar's mask is a packed bitmask, [R, ceil(V / 32)] int32: bit j of word w allows token 32w + j
-(XGrammar's layout, so either backend of chapter 14 fills the same buffer).
+(XGrammar's layout, so either backend of chapter 14 fills the same buffer). On a GPU it is applied by
+one Triton kernel (kernels/token_bitmask.py: the logits read and written once, no [R, V] temporary,
+no host sync), elsewhere by the plain-PyTorch reference.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..kernels.token_bitmask import apply_token_bitmask_triton
 from ..structured_output.bitmask import apply_token_bitmask
 
 
@@ -33,5 +36,6 @@ def apply_token_masks(logits: torch.Tensor, banned: list[list[int]] | None = Non
                                        torch.tensor(cols, device=logits.device)),
                                       torch.tensor(float("-inf"), device=logits.device))
     if bitmask is not None:  # a copy, masked in place: the raw logits stay for the logprobs
-        logits = apply_token_bitmask(logits.clone() if logits is raw else logits, bitmask)
+        apply = apply_token_bitmask_triton if logits.is_cuda else apply_token_bitmask
+        logits = apply(logits.clone() if logits is raw else logits, bitmask.to(logits.device))
     return logits

@@ -49,6 +49,9 @@ class SamplingInput:
     draft_probs: Any = None  # per drafting sequence [k, V]: q of a model proposer (None: one-hot)
     on_device: bool = False  # overlap scheduling (chapter 13): tokens stay on the device
     bitmask: Any = None  # [S, ceil(V / 32)] int32 numpy: each sequence's allowed tokens (chapter 14)
+    # overlap with a grammar (chapter 14): the forward pass runs now; the bitmask comes with the
+    # executor's sample_tokens call, once the host has the previous step's tokens
+    defer_bitmask: bool = False
 
 
 @dataclass

@@ -22,6 +22,9 @@ whatever the batch), so only the one at fault gets an error.
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import torch
 
 from ..sampling import Sampler, SamplingMetadata
@@ -54,12 +57,14 @@ class StepSampler:
         self.sampler, self.rejection_sampler = Sampler(), RejectionSampler()
         self.max_num_seqs = max_num_seqs
         self._pinned: list[torch.Tensor] | None = None  # two pinned buffers taking turns (sample_device)
+        self._mask_pinned: list[list] = []  # two [rows, W] int32 pinned buffers + their copy's event (masks)
+        self.deferred: tuple[torch.Tensor, SamplingInput] | None = None  # logits waiting for their bitmask
 
     def __call__(self, logits: torch.Tensor, s: SamplingInput) -> ModelRunnerOutput:
         """logits [rows of the step, V] -> the tokens of every sequence s describes."""
         logits = _sequence_rows(logits, s)  # [R, V], each sequence's 1 + k rows together
         masked = apply_token_masks(logits, _per_row(s.banned, s.num_draft),  # the one mask point
-                                   _bitmask_rows(s, logits.device))
+                                   self.upload_bitmask(s, logits.device))
         if s.on_device:
             return ModelRunnerOutput([], pending=self.sample_device(masked, s))
         try:
@@ -135,6 +140,33 @@ class StepSampler:
             probs = every[torch.tensor(at, device=every.device)]
         return self.rejection_sampler(masked, num_draft, _drafts(s, seqs), probs, meta)
 
+    def upload_bitmask(self, s: SamplingInput, device: torch.device) -> torch.Tensor | None:
+        """The grammars' bitmask [S, W] numpy -> one row per logits row [R, W] int32 on the device (None:
+        no grammar). On a GPU through pinned memory, so the copy is queued behind the step's work and the
+        host does not wait (a copy from pageable memory may wait for the stream: CUDA stages it). Two
+        pinned buffers take turns, each rewritten only once its last copy has run (its event)."""
+        if s.bitmask is None:
+            return None
+        mask = torch.from_numpy(np.ascontiguousarray(s.bitmask, dtype=np.int32))  # [S, W] int32
+        if device.type == "cuda":
+            S, W = mask.shape
+            if not self._mask_pinned or self._mask_pinned[0][0].shape[0] < S or self._mask_pinned[0][0].shape[1] != W:
+                rows = max(S, self.max_num_seqs)
+                self._mask_pinned = [[torch.empty(rows, W, dtype=torch.int32, pin_memory=True), None] for _ in range(2)]
+            self._mask_pinned.reverse()
+            slot = self._mask_pinned[0]
+            if slot[1] is not None:
+                slot[1].synchronize()  # its copy of two masked steps ago (normally long done)
+            host = slot[0][:S]
+            host.copy_(mask)  # a host memcpy, [S, W]
+            mask = host.to(device, non_blocking=True)
+            slot[1] = torch.cuda.Event()
+            slot[1].record()
+        if any(s.num_draft):
+            reps = [1 + k for k in s.num_draft]  # output_size given: no sync to learn the result's length
+            mask = mask.repeat_interleave(torch.tensor(reps, device=mask.device), dim=0, output_size=sum(reps))
+        return mask.to(device)  # [R, W] (a no-op where it is there already)
+
     def sample_device(self, masked: torch.Tensor, s: SamplingInput) -> SampledTokens:
         """Queue the step's sampling on the GPU (chapter 13). Two pinned buffers take turns receiving
         the tokens: the one written now held the tokens of two steps ago, read by the time this step
@@ -151,11 +183,26 @@ class StepSampler:
 
 def sample_step(sampler: StepSampler, logits: torch.Tensor, sampling: SamplingInput | None):
     """A step's logits -> (its ModelRunnerOutput, the tokens left on the device for the next step or
-    None): the worker's last stage, and the fake executor's (executor/fake.py)."""
+    None): the worker's last stage, and the fake executor's (executor/fake.py). A step whose bitmask
+    comes later (sampling.defer_bitmask: overlap with a grammar, chapter 14) keeps its logits here
+    and returns (None, None); sample_deferred finishes it."""
     if sampling is None:  # the step asked for its logits (tests, labs, chapter 09's bench)
         return ModelRunnerOutput([], logits=logits), None
+    if sampling.defer_bitmask:
+        sampler.deferred = (logits, sampling)  # [R, V] on the device; nothing runs on it until the mask comes
+        return None, None
     out = sampler(logits, sampling)
     return out, (out.pending.next_input if out.pending is not None else None)
+
+
+def sample_deferred(sampler: StepSampler, bitmask):
+    """The deferred step's bitmask ([S, W] int32 numpy or None) -> sample_step's answer for it (vLLM's
+    sample_tokens(grammar_output) after execute_model)."""
+    if sampler.deferred is None:
+        raise ValueError("sample_tokens: no step is waiting for its bitmask (execute_model a step with "
+                         "defer_bitmask=True first)")
+    (logits, s), sampler.deferred = sampler.deferred, None
+    return sample_step(sampler, logits, dataclasses.replace(s, bitmask=bitmask, defer_bitmask=False))
 
 
 def _starts(num_draft: list[int]) -> list[int]:
@@ -176,16 +223,6 @@ def _per_row(banned: list[list[int]], num_draft: list[int]) -> list[list[int]] |
     if not any(banned):
         return None
     return [b for b, k in zip(banned, num_draft) for _ in range(k + 1)]
-
-
-def _bitmask_rows(s: SamplingInput, device) -> torch.Tensor | None:
-    """The grammars' bitmask [S, W] -> one row per logits row [R, W] on the device (None: no grammar)."""
-    if s.bitmask is None:
-        return None
-    mask = torch.from_numpy(s.bitmask)  # [S, W] int32
-    if any(s.num_draft):
-        mask = mask.repeat_interleave(torch.tensor([1 + k for k in s.num_draft]), dim=0)  # [R, W]
-    return mask.to(device, non_blocking=True)
 
 
 def _sequence_rows(logits: torch.Tensor, s: SamplingInput) -> torch.Tensor:

@@ -27,7 +27,7 @@ from ..distributed.kv_transfer import make_kv_connector
 from ..lora.layers import set_adapter, wrap_lora_layers
 from .model_input import ModelInput, ModelRunnerOutput
 from .model_runner import ModelRunner
-from .sample_step import StepSampler, sample_step
+from .sample_step import StepSampler, sample_deferred, sample_step
 
 
 class Worker:
@@ -74,7 +74,8 @@ class Worker:
     def execute_model(self, step: ModelInput, prev_tokens: torch.Tensor | None = None,
                       sample: bool = True) -> ModelRunnerOutput | None:
         """Run the step and sample it: -> its tokens (ModelRunnerOutput); its logits
-        [len(step.logits_indices), vocab] fp32 in .logits when step.sampling is None. The rows the step
+        [len(step.logits_indices), vocab] fp32 in .logits when step.sampling is None; None when
+        step.sampling.defer_bitmask (the forward pass is queued; sample_tokens samples it). The rows the step
         takes from the previous one's tokens (overlap scheduling) read the tokens this worker sampled
         last, on the device (prev_tokens: a tensor-parallel rank's copy of rank 0's). sample=False:
         a rank that only takes part in the forward pass (chapter 11)."""
@@ -84,6 +85,16 @@ class Worker:
         if not sample:
             return None
         out, on_device = sample_step(self.sampler, logits, step.sampling)
+        if out is None:  # its bitmask comes with sample_tokens (step.sampling.defer_bitmask)
+            return None
+        return self._answer(out, on_device)
+
+    def sample_tokens(self, bitmask) -> ModelRunnerOutput:
+        """Sample the step execute_model left waiting for its grammars' bitmask ([S, W] int32 numpy, or
+        None): applied at the one mask point, sampled on the device, nothing waited for (chapter 14)."""
+        return self._answer(*sample_deferred(self.sampler, bitmask))
+
+    def _answer(self, out: ModelRunnerOutput, on_device) -> ModelRunnerOutput:
         if self.kv_connector is not None:  # chapter 17: what this step's transfers moved
             out.kv_stats = self.kv_connector.take_stats()
         self.last_sampled = on_device if on_device is not None else self.last_sampled
