@@ -17,6 +17,7 @@ from test_engine import alone, blocks_for
 from test_spec_engine import drain, random_drafter, repetitive_requests
 from tiny_models import random_model
 
+from minillm import SamplingParams
 from minillm.engine import EngineConfig, LLMEngine
 from minillm.layers import AttentionMetadata
 
@@ -73,3 +74,40 @@ def test_learned_drafters_match_plain_greedy(seed, tok, method, case):
             continue
         assert got[rid] == want, f"{rid}: engine {got[rid]} vs alone {want} ({ec})"
     assert engine.engine_stats.spec.num_draft_tokens > 0 and checked > 0
+
+
+@pytest.mark.parametrize("case", [0, 1])
+def test_adaptive_speculation_drafts_nothing_at_a_large_batch(seed, tok, case):
+    """adaptive: a step of B >= saturation_tokens sequences carries no drafts, whatever the drafter; a
+    bad drafter (random heads) stops drafting; a perfect one (the target itself) drafts; tokens = plain."""
+    rng = random.Random(seed * 10 + case)
+    model, config = random_model(rng)
+    # five short requests, three long ones: the batch runs at 8 sequences, then at 3
+    params = [SamplingParams(max_tokens=rng.randrange(2, 5) if i < 5 else rng.randrange(16, 24), temperature=0)
+              for i in range(8)]
+    prompts = [[rng.randrange(config.vocab_size) for _ in range(rng.randrange(2, 10))] for _ in range(8)]
+    expected = [alone(model, tok, p, sp)[0] for p, sp in zip(prompts, params)]
+    k = 4
+    drafter = random_drafter("medusa", model, rng, k) if case == 0 else model
+    spec = {"method": "medusa" if case == 0 else "draft_model", "model": drafter, "num_speculative_tokens": k,
+            "adaptive": True, "saturation_tokens": 4}
+    engine = LLMEngine(model, tok, [], EngineConfig(block_size=4, num_gpu_blocks=128, max_num_seqs=8,
+                                                    speculative_config=spec))
+    batches, propose = [], engine.executor.propose
+
+    def watched(seqs, num_spec, changes):
+        batches.append((len(engine.scheduler.running), max(num_spec)))
+        return propose(seqs, num_spec, changes)
+
+    engine.executor.propose = watched
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+    got = drain(engine)
+    assert [got[f"r{i}"][0] for i in range(len(prompts))] == expected
+    assert batches and all(b < 4 for b, _ in batches), batches  # never a draft in a step of 4 or more sequences
+    stats = engine.engine_stats.spec
+    if case == 0:  # the random heads are rarely right: alpha falls and drafting stops
+        assert engine.adaptive_k.alpha < 0.6
+    else:  # the target drafting for itself: every draft accepted, alpha rises
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+        assert engine.adaptive_k.alpha > 0.6

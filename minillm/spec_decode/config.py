@@ -16,6 +16,11 @@ drafting for 8 output tokens, then 16, 32, ... up to 128 while it stays below, a
 drafts after each pause decides again. Open-ended text gives the n-gram proposer almost nothing to find
 (1-2 % accepted on the H100, notebook 09), and each of those verify steps costs more than a plain one.
 None (the default) drafts whenever the proposer can.
+
+adaptive: k is chosen per step (adaptive.py) from the batch size and the measured acceptance, in
+0..num_speculative_tokens; saturation_tokens (the tokens at which a forward pass stops being
+memory-bound; default 256) and draft_cost (a draft token's cost in plain steps; default per method)
+are its cost model.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ class SpeculativeConfig:
     num_draft_layers: int | None = None  # layer_skip: the target's first L' layers draft
     disable_by_batch_size: int | None = None  # no drafts in a step with more running sequences
     min_acceptance_rate: float | None = None  # per sequence: pause drafting while its recent rate is lower
+    adaptive: bool = False  # k per step from the batch size and the measured acceptance (adaptive.py)
+    saturation_tokens: int = 256  # adaptive: tokens at which a forward pass becomes compute-bound
+    draft_cost: float | None = None  # adaptive: a draft token's cost in plain decode steps (None: per method)
 
     @classmethod
     def from_dict(cls, d) -> SpeculativeConfig:
@@ -66,6 +74,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, "
                              f"not {self.num_speculative_tokens}")
         check_int("disable_by_batch_size", self.disable_by_batch_size, 1, optional=True, prefix="speculative_config ")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config adaptive must be True or False, not {self.adaptive!r}")
+        check_int("saturation_tokens", self.saturation_tokens, 1, prefix="speculative_config ")
+        cost = self.draft_cost
+        if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float)) or cost < 0):
+            raise ValueError(f"speculative_config draft_cost must be a number >= 0 or None, not {cost!r}")
         rate = self.min_acceptance_rate
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < 1):
             raise ValueError(f"speculative_config min_acceptance_rate must be a number in (0, 1) or None, not {rate!r}")
