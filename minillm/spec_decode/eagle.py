@@ -31,11 +31,10 @@ from ..forward_context import get_forward_context
 from ..layers.layernorm import RMSNorm
 from ..layers.linear import ReplicatedLinear
 from ..models.llama import LlamaDecoderLayer
-from ..sequence import new_tokens
 from ..worker.model_input import pack
 from ..worker.model_runner import forward_packed
 from .drafter_files import load_into, read_drafter
-from .proposer import Proposer, sample_drafts
+from .proposer import Proposer, new_tokens, sample_drafts  # new_tokens: the one recorded Sequence edge
 
 FEATURES = "eagle_features"  # the forward context's extra: [T, hidden] h_{p-1} for every token
 
