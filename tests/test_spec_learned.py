@@ -29,6 +29,7 @@ def dense_hidden(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor(tokens), torch.arange(len(tokens)), meta)  # [n, hidden]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, case", [("medusa", 0), ("medusa", 1), ("eagle", 0), ("eagle", 1)])
 def test_learned_drafters_match_plain_greedy(seed, tok, method, case):
     rng = random.Random(seed * 100 + case + 7 * len(method))
@@ -76,6 +77,7 @@ def test_learned_drafters_match_plain_greedy(seed, tok, method, case):
     assert engine.engine_stats.spec.num_draft_tokens > 0 and checked > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [0, 1])
 def test_adaptive_speculation_drafts_nothing_at_a_large_batch(seed, tok, case):
     """adaptive: a step of B >= saturation_tokens sequences carries no drafts, whatever the drafter; a
