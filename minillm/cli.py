@@ -361,6 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
     qz.set_defaults(fn=_quantize)
 
+    td = sub.add_parser("train-drafter", help="self-distil Medusa heads or an EAGLE layer for a model (chapter 09)")
+    from .entrypoints import train_drafter as _td  # the command's own flags
+
+    _td.add_arguments(td)
+    td.set_defaults(fn=_td.main)
+
     bench = sub.add_parser("bench", help="run a named benchmark ('list' to see them)")
     bench.add_argument("name")
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the workload's options ('NAME --help' lists them)")

@@ -22,6 +22,8 @@ from minillm import SamplingParams
 from minillm.engine import EngineConfig, LLMEngine
 from minillm.generation import generate_sequences
 from minillm.spec_decode import SpeculativeConfig
+from minillm.spec_decode.eagle import EagleModel
+from minillm.spec_decode.medusa import MedusaHeads
 
 
 def spec_config(method: str, rng: random.Random, target) -> dict:
@@ -33,8 +35,25 @@ def spec_config(method: str, rng: random.Random, target) -> dict:
         return {"method": "layer_skip", "num_draft_layers": 1, "num_speculative_tokens": k}
     if method == "self":  # the target drafts for itself: every draft is accepted
         return {"model": target, "num_speculative_tokens": k}
+    if method in ("medusa", "eagle"):  # tiny random heads / layer (test_spec_learned.py)
+        return {"method": method, "model": random_drafter(method, target, rng, k), "num_speculative_tokens": k}
     draft, _ = random_model(rng)  # another random shape, the same vocabulary
     return {"model": draft, "num_speculative_tokens": k}
+
+
+def random_drafter(method: str, model, rng: random.Random, k: int):
+    """Medusa heads (k or more, one or two blocks, shared or own LM heads) or an EAGLE layer, random."""
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 31))
+    c = model.config
+    if method == "medusa":
+        drafter = MedusaHeads(c.hidden_size, c.vocab_size, k + rng.randrange(0, 2), rng.choice([1, 2]),
+                              own_lm_head=rng.random() < 0.5)
+    else:
+        drafter = EagleModel(model)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.3, generator=gen)
+    return drafter
 
 
 def check_blocks(engine: LLMEngine) -> None:
@@ -242,7 +261,7 @@ def test_back_off_pauses_a_sequence_whose_drafts_fail(seed, tok):
         (calm.num_drafts, eager.num_drafts)
 
 
-@pytest.mark.parametrize("method", ["ngram", "layer_skip", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "layer_skip", "draft", "medusa", "eagle"])
 def test_seeded_sampling_with_drafts_is_the_same_alone_and_batched(seed, tok, method):
     rng = random.Random(seed + 3)
     model, config = random_model(rng)
@@ -286,7 +305,11 @@ def test_request_outputs_and_stats_carry_the_acceptance(seed, tok):
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
      "prompt_lookup_max"),
-    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "hydra", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method 'medusa' needs a 'model'"),
+    ({"method": "eagle", "num_speculative_tokens": 2, "model": "x", "num_draft_layers": 1}, "belongs to method"),
+    ({"method": "eagle", "num_speculative_tokens": 2, "model": "x", "adaptive": 1}, "adaptive must be"),
+    ({"method": "medusa", "num_speculative_tokens": 2, "model": "x", "draft_cost": -1}, "draft_cost"),
     ({"method": "ngram", "num_speculative_tokens": 2, "num_draft_layers": 1}, "belongs to method 'layer_skip'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown key"),
     ({"method": "layer_skip", "num_speculative_tokens": 2}, "needs num_draft_layers"),

@@ -1,6 +1,7 @@
 """Benchmark: speculative decoding (chapter 09), each proposer against plain decoding, same engine.
 
     minillm bench spec [--model PATH] [--k 2 4] [--draft-layers 8] [--draft-model PATH] [--batch-sizes 1 8 64]
+                       [--medusa PATH] [--eagle PATH] [--repeats 3]
 
 Two prompt sets, through the chat template, greedy, EOS ignored (every request makes max_tokens):
   grounded  the answer quotes the input: summarize / repeat a Wikipedia passage (chapter 08's corpus,
@@ -17,6 +18,11 @@ proposer's time per step; overhead, t_1 minus its forward pass (scheduling, samp
 
 with n the tokens a sequence gets per decode step (tau where every sequence drafts; less in a batch where
 the proposer finds nothing for some).
+
+Learned drafters (part two): --medusa / --eagle name folders `minillm train-drafter` wrote. --repeats R
+runs every configuration R times, alternating (plain, ngram, ..., plain, ngram, ...: drift over the run
+hits all of them alike); each row is then the median, with tok_s_spread the (max - min) / median of the
+decode tok/s over the repeats.
 
 CUDA graphs replay steps with drafts as token-bucket graphs, and the draft passes (layer_skip, draft
 model) as graphs of their own where a captured shape fits. On a CPU the sizes shrink and the numbers only say that the code runs.
@@ -71,7 +77,8 @@ def prompts(kind: str) -> list[str]:
                f"\n\n```python\n{FUNCTION}\n```"])
 
 
-def configs(k: list[int], draft_layers: list[int], draft_model, disable_by_batch_size=None, min_acceptance_rate=None):
+def configs(k: list[int], draft_layers: list[int], draft_model, disable_by_batch_size=None, min_acceptance_rate=None,
+            medusa=None, eagle=None, adaptive=False):
     """(label, speculative_config) per configuration, plain decoding first."""
     out = [("plain", None)]
     out += [(f"ngram k={n}", {"method": "ngram", "num_speculative_tokens": n, "prompt_lookup_max": 3}) for n in k]
@@ -79,6 +86,11 @@ def configs(k: list[int], draft_layers: list[int], draft_model, disable_by_batch
             for L in draft_layers for n in k]
     if draft_model:
         out += [(f"draft k={n}", {"model": draft_model, "num_speculative_tokens": n}) for n in k]
+    for method, path in (("medusa", medusa), ("eagle", eagle)):  # learned drafters (train-drafter's folders)
+        if path:
+            out += [(f"{method} k={n}", {"method": method, "model": path, "num_speculative_tokens": n}) for n in k]
+    if adaptive:  # k chosen per step from the batch and the measured acceptance (spec_decode/adaptive.py)
+        out = [(f"{name} adaptive" if spec else name, spec and spec | {"adaptive": True}) for name, spec in out]
     if disable_by_batch_size is not None:  # the adaptive setting: no drafts in larger batches
         out = [(f"{name} off>{disable_by_batch_size}" if spec else name,
                 spec and spec | {"disable_by_batch_size": disable_by_batch_size}) for name, spec in out]
@@ -142,7 +154,8 @@ def serve(engine: LLMEngine, ids: list[list[int]], max_tokens: int, tag: str) ->
 
 
 def run(model=None, *, k=(2, 4), draft_layers=(8,), draft_model=None, batch_sizes=None, max_tokens=None,
-        disable_by_batch_size=None, min_acceptance_rate=None, device=None, json_path=None, **engine_args) -> dict:
+        disable_by_batch_size=None, min_acceptance_rate=None, medusa=None, eagle=None, adaptive=False, repeats=1,
+        device=None, json_path=None, **engine_args) -> dict:
     device = default_device() if device is None else torch.device(device)
     gpu = device.type == "cuda"
     batch_sizes = list(batch_sizes or ([1, 8, 64] if gpu else [1, 2]))
@@ -153,30 +166,53 @@ def run(model=None, *, k=(2, 4), draft_layers=(8,), draft_model=None, batch_size
     ids = {kind: [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True)
                   if tok.chat_template else tok.encode(p) for p in prompts(kind)] for kind in ("grounded", "open")}
     eos = sorted(set(models.config.eos_token_ids or []))
-    rows = []
+    runs = []
     layers = [L for L in draft_layers if L < models.config.num_layers]
-    for name, spec in configs(list(k), layers, draft_model, disable_by_batch_size, min_acceptance_rate):
-        engine = LLMEngine(models.model, tok, eos, EngineConfig(speculative_config=spec, **engine_args),
-                           progress=False)
-        engine.warm_up(max_prompt_len=max(len(p) for v in ids.values() for p in v))
-        for kind, batch in ((kd, b) for kd in ids for b in batch_sizes):
-            reqs = [ids[kind][i % len(ids[kind])] for i in range(batch)]
-            serve(engine, reqs[:1], 4, "warm")  # the step shapes of this batch size, untimed
-            rows.append({"prompts": kind, "batch": batch, "config": name, **serve(engine, reqs, max_tokens, name)})
-        free_engine(engine)
+    for rep in range(repeats):  # alternating: every configuration once per round
+        for name, spec in configs(list(k), layers, draft_model, disable_by_batch_size, min_acceptance_rate,
+                                  medusa, eagle, adaptive):
+            engine = LLMEngine(models.model, tok, eos, EngineConfig(speculative_config=spec, **engine_args),
+                               progress=False)
+            engine.warm_up(max_prompt_len=max(len(p) for v in ids.values() for p in v))
+            for kind, batch in ((kd, b) for kd in ids for b in batch_sizes):
+                reqs = [ids[kind][i % len(ids[kind])] for i in range(batch)]
+                serve(engine, reqs[:1], 4, "warm")  # the step shapes of this batch size, untimed
+                runs.append({"prompts": kind, "batch": batch, "config": name, "repeat": rep,
+                             **serve(engine, reqs, max_tokens, f"{name}-{rep}")})
+            free_engine(engine)
+    rows = median_rows(runs)
     for r in rows:  # against plain decoding of the same prompts and batch size
         base = next(b for b in rows if b["config"] == "plain" and (b["prompts"], b["batch"]) == (r["prompts"], r["batch"]))
         overhead = base["t_step_ms"] - base["t_exec_ms"]
         r["predicted"] = (r["tokens_per_seq_step"] / base["tokens_per_seq_step"] * base["t_step_ms"]
                           / (r["t_exec_ms"] + r["t_draft_ms"] + overhead))
         r["measured"] = r["decode_tok_s"] / base["decode_tok_s"]
-    print_table(rows, ["prompts", "batch", "config", "tok_s", "decode_tok_s", "acceptance", "tau", "tokens_per_seq_step",
-                       "t_step_ms", "t_exec_ms", "t_draft_ms", "predicted", "measured"], title="speculative decoding")
-    result = {**info, "rows": rows}
+    print_table(rows, ["prompts", "batch", "config", "tok_s", "decode_tok_s", "tok_s_spread", "acceptance", "tau",
+                       "tokens_per_seq_step", "t_step_ms", "t_exec_ms", "t_draft_ms", "predicted", "measured"],
+                title=f"speculative decoding (median of {repeats})")
+    result = {**info, "repeats": repeats, "rows": rows, "runs": runs}
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+def median_rows(runs: list[dict]) -> list[dict]:
+    """One row per (prompts, batch, config): the median of every number over the repeats, and the
+    spread of decode tok/s ((max - min) / median; 0 for one repeat)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["prompts"], r["batch"], r["config"]), []).append(r)
+    rows = []
+    for (kind, batch, name), rs in groups.items():
+        row = {"prompts": kind, "batch": batch, "config": name}
+        for key in rs[0]:
+            if key not in row and key != "repeat" and isinstance(rs[0][key], (int, float)):
+                row[key] = statistics.median(r[key] for r in rs)
+        tok = [r["decode_tok_s"] for r in rs]
+        row["tok_s_spread"] = (max(tok) - min(tok)) / row["decode_tok_s"] if row["decode_tok_s"] else 0.0
+        rows.append(row)
+    return rows
 
 
 def add_arguments(parser, name: str) -> None:
@@ -193,5 +229,10 @@ def add_arguments(parser, name: str) -> None:
                         help="the adaptive setting: no drafts in steps with more running sequences")
     parser.add_argument("--min-acceptance-rate", type=float, default=None,
                         help="per sequence: pause drafting while its recent acceptance rate is lower")
+    parser.add_argument("--medusa", default=None, help="Medusa heads: a folder minillm train-drafter wrote")
+    parser.add_argument("--eagle", default=None, help="an EAGLE layer: a folder minillm train-drafter wrote")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="every speculating configuration chooses k per step (batch size, measured acceptance)")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over all configurations (median, spread)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--json", dest="json_path", default=None)

@@ -64,8 +64,7 @@ from ..lora.request import LoRARequest, check_lora_request
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
 from ..sequence import Sequence, append_sampled, make_sequences, token_text
-from ..spec_decode import SpecDecodeMetrics
-from ..spec_decode.draft_model import load_draft_model
+from ..spec_decode import SpecDecodeMetrics, load_drafter
 from ..worker.model_input import ModelInput
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -133,9 +132,7 @@ class LLMEngine(SpecDecodeSteps, OverlapSteps):
                                                   config.structured_outputs_backend)
         self.spec_config = spec = config.speculative_config
         if executor is None:  # the model in this process (chapter 11 passes one worker per GPU instead)
-            draft = None
-            if spec is not None and spec.method == "draft_model":
-                draft = load_draft_model(spec, model)
+            draft = load_drafter(spec, model) if spec is not None else None  # a draft model, heads, a layer
             executor = UniprocExecutor(model, config, draft)
         self.executor = executor
         self.sizes = executor.sizes  # max_model_len and what memory allows: worked out once

@@ -5,7 +5,8 @@ speculative_config, three pieces join it, all here:
 
     lookahead   the scheduler asks, per running sequence, how many draft slots to reserve
                 (`_num_lookahead`: k, or 0 above disable_by_batch_size, near max_tokens or the context's
-                end, and for requests whose distribution depends on the tokens just accepted);
+                end, and for requests whose distribution depends on the tokens just accepted; with
+                adaptive, the k the batch size and the measured acceptance call for, `_step_k`);
     propose     after the step's block copies, the proposer fills the reserved slots (`_propose`);
     verify      the worker verifies the rows of a sequence with drafts (worker/sample_step.py: the
                 rejection sampler, or its greedy rule on the host when the whole batch is greedy); the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from ..outputs import RequestOutput
 from ..sequence import Sequence
+from ..spec_decode.adaptive import AdaptiveK
 from .scheduler import SchedulerOutput
 
 
@@ -29,7 +31,7 @@ class SpecDecodeSteps:
         SpeculativeConfig.disable_by_batch_size), fewer near max_tokens or the context's end (a step
         emits at most k + 1 tokens), none when its distribution depends on the tokens accepted, or
         while its drafting is paused (SpeculativeConfig.min_acceptance_rate, `_back_off`)."""
-        k, p = self.spec_config.speculative_tokens(batch_size), seq.params
+        k, p = self._step_k(batch_size), seq.params
         if k == 0 or p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty \
                 or p.frequency_penalty or len(seq.output_ids) < max(p.min_tokens, seq.spec_resume_at) \
                 or p.structured_outputs is not None:  # (a grammar's drafts: not yet, structured_output.py)
@@ -38,6 +40,15 @@ class SpecDecodeSteps:
         if p.max_tokens is not None:
             left = min(left, p.max_tokens - len(seq.output_ids) - 1)
         return max(0, min(k, left))
+
+    def _step_k(self, batch_size: int) -> int:
+        spec = self.spec_config
+        k = spec.speculative_tokens(batch_size)
+        if not spec.adaptive or k == 0:
+            return k
+        if self.__dict__.get("adaptive_k") is None:  # made at the first step (the mixin has no __init__)
+            self.adaptive_k = AdaptiveK.from_config(spec)
+        return min(k, self.adaptive_k.k(batch_size))
 
     def _propose(self, sched: SchedulerOutput) -> tuple[list[RequestOutput], list[Sequence]]:
         """Fill the slots the scheduler reserved with draft tokens; -> (outputs of requests whose drafting
@@ -67,6 +78,8 @@ class SpecDecodeSteps:
         seq.spec.record(k, len(tokens) - 1)
         self.engine_stats.spec.record(k, len(tokens) - 1)
         self._back_off(seq, k, len(tokens) - 1)
+        if self.spec_config.adaptive and k:
+            self.adaptive_k.observe(k, len(tokens) - 1)
         for t in tokens:  # one by one: EOS, a stop string or max_tokens may end it inside the run
             seq.append(t)
             self.engine_stats.num_generation_tokens += 1

@@ -3,6 +3,8 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     {"model": "path/to/draft", "num_speculative_tokens": 4}          (method "draft_model")
     {"method": "layer_skip", "num_draft_layers": 8, "num_speculative_tokens": 4}
+    {"method": "medusa", "model": "path/to/heads", "num_speculative_tokens": 3}   (medusa.py)
+    {"method": "eagle", "model": "path/to/layer", "num_speculative_tokens": 4}    (eagle.py)
 
 disable_by_batch_size: speculation is switched off in a step whose running batch is larger (a verify
 of k + 1 tokens per sequence is nearly free while decode is memory-bound, not once the batch makes it
@@ -14,6 +16,11 @@ drafting for 8 output tokens, then 16, 32, ... up to 128 while it stays below, a
 drafts after each pause decides again. Open-ended text gives the n-gram proposer almost nothing to find
 (1-2 % accepted on the H100, notebook 09), and each of those verify steps costs more than a plain one.
 None (the default) drafts whenever the proposer can.
+
+adaptive: k is chosen per step (adaptive.py) from the batch size and the measured acceptance, in
+0..num_speculative_tokens; saturation_tokens (the tokens at which a forward pass stops being
+memory-bound; default 256) and draft_cost (a draft token's cost in plain steps; default per method)
+are its cost model.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from dataclasses import dataclass, fields
 
 from ..checks import check_int
 
-METHODS = ("ngram", "draft_model", "layer_skip")
+METHODS = ("ngram", "draft_model", "layer_skip", "medusa", "eagle")
+LEARNED = ("medusa", "eagle")  # drafters that read the target's hidden states (worker/hidden_states.py)
 MAX_SPECULATIVE_TOKENS = 32  # more guesses than this are almost never all accepted, and cost a verify row each
 
 
@@ -32,10 +40,14 @@ class SpeculativeConfig:
     num_speculative_tokens: int | None = None  # k, draft tokens per sequence per step
     prompt_lookup_min: int | None = None  # ngram: shortest suffix to match (default 1)
     prompt_lookup_max: int | None = None  # ngram: longest suffix to match (default 3)
-    model: object = None  # draft_model: a path, a model name, or a built model sharing the target's vocab
+    model: object = None  # draft_model: a path, a model name, or a built model sharing the target's vocab;
+    # medusa / eagle: a drafter folder (drafter_files.py) or a built MedusaHeads / EagleModel
     num_draft_layers: int | None = None  # layer_skip: the target's first L' layers draft
     disable_by_batch_size: int | None = None  # no drafts in a step with more running sequences
     min_acceptance_rate: float | None = None  # per sequence: pause drafting while its recent rate is lower
+    adaptive: bool = False  # k per step from the batch size and the measured acceptance (adaptive.py)
+    saturation_tokens: int = 256  # adaptive: tokens at which a forward pass becomes compute-bound
+    draft_cost: float | None = None  # adaptive: a draft token's cost in plain decode steps (None: per method)
 
     @classmethod
     def from_dict(cls, d) -> SpeculativeConfig:
@@ -62,15 +74,21 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, "
                              f"not {self.num_speculative_tokens}")
         check_int("disable_by_batch_size", self.disable_by_batch_size, 1, optional=True, prefix="speculative_config ")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config adaptive must be True or False, not {self.adaptive!r}")
+        check_int("saturation_tokens", self.saturation_tokens, 1, prefix="speculative_config ")
+        cost = self.draft_cost
+        if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float)) or cost < 0):
+            raise ValueError(f"speculative_config draft_cost must be a number >= 0 or None, not {cost!r}")
         rate = self.min_acceptance_rate
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < 1):
             raise ValueError(f"speculative_config min_acceptance_rate must be a number in (0, 1) or None, not {rate!r}")
-        own = {"ngram": ("prompt_lookup_min", "prompt_lookup_max"), "draft_model": ("model",),
-               "layer_skip": ("num_draft_layers",)}
-        for method, keys in own.items():
-            for key in keys if method != self.method else ():
-                if getattr(self, key) is not None:
-                    raise ValueError(f"speculative_config {key} belongs to method {method!r}, not {self.method!r}")
+        owners = {"prompt_lookup_min": ("ngram",), "prompt_lookup_max": ("ngram",),
+                  "model": ("draft_model", *LEARNED), "num_draft_layers": ("layer_skip",)}
+        for key, methods in owners.items():
+            if self.method not in methods and getattr(self, key) is not None:
+                raise ValueError(f"speculative_config {key} belongs to method {' or '.join(map(repr, methods))}, "
+                                 f"not {self.method!r}")
         if self.method == "ngram":
             self.prompt_lookup_min = 1 if self.prompt_lookup_min is None else self.prompt_lookup_min
             self.prompt_lookup_max = max(3, self.prompt_lookup_min) if self.prompt_lookup_max is None \
@@ -84,8 +102,8 @@ class SpeculativeConfig:
             if self.num_draft_layers is None:
                 raise ValueError("speculative_config method 'layer_skip' needs num_draft_layers (L')")
             check_int("num_draft_layers", self.num_draft_layers, 1, prefix="speculative_config ")
-        if self.method == "draft_model" and self.model is None:
-            raise ValueError("speculative_config method 'draft_model' needs a draft 'model' (a path or a model)")
+        if self.method in ("draft_model", *LEARNED) and self.model is None:
+            raise ValueError(f"speculative_config method {self.method!r} needs a 'model' (a path or a built one)")
 
     def speculative_tokens(self, batch_size: int) -> int:
         """k for a step with this many running sequences (0: speculation off for the step)."""
@@ -97,8 +115,8 @@ def add_cli_args(parser) -> None:
     """--speculative-* flags (minillm generate / chat / bench): vLLM's speculative_config keys."""
     g = parser.add_argument_group("speculative decoding (chapter 09)")
     g.add_argument("--speculative-method", choices=METHODS, default=None,
-                   help="draft tokens with: ngram (prompt lookup), layer_skip (the model's first layers) or "
-                        "draft_model (--speculative-model)")
+                   help="draft tokens with: ngram (prompt lookup), layer_skip (the model's first layers), "
+                        "draft_model, or trained medusa heads / an eagle layer (--speculative-model)")
     g.add_argument("--speculative-model", default=None, help="the draft model (same tokenizer): a file, folder or id")
     g.add_argument("--num-speculative-tokens", type=int, default=None, help="k, draft tokens per step")
     g.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest suffix matched (1)")

@@ -101,13 +101,18 @@ class ModelProposer(Proposer):
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], offsets: list[int],
                any_random: bool) -> tuple[list[int], torch.Tensor | None]:
-        """Each row by its request's parameters at output position len(output) + offset; -> the tokens
-        and, when some request samples at random, q (the filtered distributions sampled from)."""
-        if not any_random:
-            return logits.argmax(dim=-1).tolist(), None
-        meta = spec_metadata([s.params for s in seqs], [s.seed ^ DRAFT_STREAM for s in seqs],
-                             [len(s.output_ids) + o for s, o in zip(seqs, offsets)], [0] * len(seqs),
-                             logits.shape[1], logits.device)
-        q = filtered_probs(logits, meta)  # [A, V]
-        tokens = torch.where(meta.temperature == 0, logits.argmax(dim=-1), race(q, meta.seeds, meta.steps))
-        return tokens.tolist(), q
+        return sample_drafts(logits, seqs, offsets, any_random)
+
+
+def sample_drafts(logits: torch.Tensor, seqs: list[Sequence], offsets: list[int],
+                  any_random: bool) -> tuple[list[int], torch.Tensor | None]:
+    """logits [A, V]: each row by its request's parameters at output position len(output) + offset; -> the
+    tokens and, when some request samples at random, q [A, V] (the filtered distributions sampled from)."""
+    if not any_random:
+        return logits.argmax(dim=-1).tolist(), None
+    meta = spec_metadata([s.params for s in seqs], [s.seed ^ DRAFT_STREAM for s in seqs],
+                         [len(s.output_ids) + o for s, o in zip(seqs, offsets)], [0] * len(seqs),
+                         logits.shape[1], logits.device)
+    q = filtered_probs(logits, meta)  # [A, V]
+    tokens = torch.where(meta.temperature == 0, logits.argmax(dim=-1), race(q, meta.seeds, meta.steps))
+    return tokens.tolist(), q

@@ -77,8 +77,11 @@ class StepGraphs:
 
     def __init__(self, model, device: torch.device, decode_sizes: list[int], buckets: list[int],
                  max_num_seqs: int, max_blocks_per_seq: int, capture: bool = True, logits_per_seq: int = 1,
-                 lora: bool = False):
+                 lora: bool = False, keep_hidden: bool = False):
         self.model, self.device, self.capture = model, device, capture
+        # chapter 09, part two: every token's final hidden state copied out too (a learned drafter's input)
+        self.keep_hidden = keep_hidden
+        self.hidden: torch.Tensor | None = None  # [max tokens, hidden], made by the first capture
         self.logits_per_seq = logits_per_seq  # 1 + k with speculative decoding (k draft tokens a sequence)
         self.decode_sizes, self.buckets, self.max_num_seqs = decode_sizes, buckets, max_num_seqs
         T = max([*decode_sizes, *buckets])
@@ -174,6 +177,11 @@ class StepGraphs:
             # read at capture; what a layer takes from it is a static buffer
             with set_forward_context(meta, lora_mapping=lora_mapping):
                 hidden = self.model(ids, pos, meta)  # [T, hidden]
+            if self.keep_hidden:
+                if self.hidden is None:  # at the first warm-up, outside any capture
+                    self.hidden = torch.empty(self.tokens.shape[1], hidden.shape[-1], dtype=hidden.dtype,
+                                              device=self.device)
+                self.hidden[:T].copy_(hidden)
             return self.model.compute_logits(hidden[rows])  # [R, vocab] at the step's logits_indices
 
         # Warm-up, outside the capture: Triton compiles and autotunes here. It runs on the inputs in the
@@ -228,4 +236,4 @@ class StepGraphs:
     def clear(self) -> None:
         self.steps.clear()
         self.replays.clear()
-        self.logits = None
+        self.logits = self.hidden = None

@@ -48,12 +48,14 @@ def token_lora_slots(step: ModelInput) -> list[int] | None:
 
 
 def forward_packed(model, device, step: ModelInput, prev_tokens: torch.Tensor | None = None,
-                   block_table=None, kv_connector=None, extras: dict | None = None) -> torch.Tensor:
+                   block_table=None, kv_connector=None, extras: dict | None = None,
+                   return_hidden: bool = False):
     """One eager forward pass over a ModelInput; -> logits [len(step.logits_indices), vocab] fp32.
     block_table: the step's [B, W] table when the worker keeps the tables (else step.block_table).
     kv_connector: chapter 17's worker side, bound to the step's work; its attention hooks run inside.
     The forward context carries each token's adapter slot (lora_mapping [T]) when some have one;
-    extras: the forward context's (H2O's attention-mass buffer)."""
+    extras: the forward context's (H2O's attention-mass buffer). return_hidden: -> (logits, hidden
+    [T, hidden]), the states a learned drafter reads (chapter 09, worker/hidden_states.py)."""
     meta = AttentionMetadata.from_seq_lens(step.query_lens, device)
     meta.seq_lens = torch.tensor(step.seq_lens, dtype=torch.int32, device=device)  # [B]
     table = step.block_table if block_table is None else block_table
@@ -66,7 +68,8 @@ def forward_packed(model, device, step: ModelInput, prev_tokens: torch.Tensor | 
     with set_forward_context(meta, kv_connector=kv_connector, lora_mapping=lora_mapping, extras=extras or {}):
         hidden = model(input_ids, torch.tensor(step.positions, device=device), meta)  # [T, hidden]
     rows = torch.tensor(step.logits_indices, dtype=torch.long, device=device)  # [rows]
-    return model.compute_logits(hidden[rows])  # [rows, vocab]
+    logits = model.compute_logits(hidden[rows])  # [rows, vocab]
+    return (logits, hidden) if return_hidden else logits
 
 
 class ModelRunner:
@@ -99,6 +102,9 @@ class ModelRunner:
             self.sink_rotation = SinkRotation(model, cache, sink_blocks, config.max_num_seqs)
         spec = config.speculative_config  # chapter 09: a verify wants logits at 1 + k rows per sequence
         self.logits_per_seq = 1 + spec.num_speculative_tokens if spec is not None else 1
+        # chapter 09, part two: a learned drafter reads the step's hidden states (worker/hidden_states.py)
+        self.keep_hidden = spec is not None and spec.method in ("medusa", "eagle")
+        self.last_hidden: torch.Tensor | None = None  # [T, hidden] of the last step (keep_hidden only)
         self.enable_lora = getattr(config, "enable_lora", False)  # graphs then carry a per-token slot buffer
         self._first_layer = cache_layers(model)[0]
         self.decode_backend = getattr(config, "decode_backend", "graphs")
@@ -128,7 +134,8 @@ class ModelRunner:
             return StepGraphs(model, self.device, self.graph_sizes, self.token_buckets, self.max_num_seqs,
                               self.max_blocks_per_seq, capture)
         return StepGraphs(self.model, self.device, self.graph_sizes, self.token_buckets, self.max_num_seqs,
-                          self.max_blocks_per_seq, capture, self.logits_per_seq, lora=self.enable_lora)
+                          self.max_blocks_per_seq, capture, self.logits_per_seq, lora=self.enable_lora,
+                          keep_hidden=self.keep_hidden)
 
     @torch.inference_mode()
     def execute(self, step: ModelInput, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -137,6 +144,7 @@ class ModelRunner:
         per sequence, one per draft token). prev_tokens: the previous step's sampled tokens on the
         device, for the rows step.prev_token_dst names (overlap scheduling)."""
         table = self.step_block_table(step)  # first: the table changes must land whatever happens next
+        self.last_hidden = None  # set by the paths that keep it (keep_hidden)
         if self.compact_kv:  # StreamingLLM (chapter 15): the kernels read the kept blocks only
             compacted = compact_tables(table, step.seq_lens, self.block_size)
             table = compacted.table
@@ -160,9 +168,16 @@ class ModelRunner:
         shape = (graphs.shape_for(step.num_tokens, len(step.query_lens), len(step.logits_indices))
                  if graphs is not None else None)
         if shape is not None:
-            return graphs.run(shape, step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
-                              table, step.query_lens, step.logits_indices,
-                              (step.prev_token_dst, step.prev_token_src, prev_tokens), token_lora_slots(step))
+            logits = graphs.run(shape, step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
+                                table, step.query_lens, step.logits_indices,
+                                (step.prev_token_dst, step.prev_token_src, prev_tokens), token_lora_slots(step))
+            if self.keep_hidden:  # the graph's static buffer is overwritten by the next replay: a copy
+                self.last_hidden = graphs.hidden[: step.num_tokens].clone()  # [T, hidden]
+            return logits
+        if self.keep_hidden:
+            logits, self.last_hidden = forward_packed(self.model, self.device, step, prev_tokens, table,
+                                                      return_hidden=True)
+            return logits
         return forward_packed(self.model, self.device, step, prev_tokens, table)
 
     def _execute_with_transfers(self, step: ModelInput, prev_tokens, table, kv_meta) -> torch.Tensor:

@@ -25,6 +25,7 @@ from ..cache.offload import KVOffloadStore
 from ..cache.paged import PagedKVCache
 from ..distributed.kv_transfer import make_kv_connector
 from ..lora.layers import set_adapter, wrap_lora_layers
+from .hidden_states import HiddenStates
 from .model_input import ModelInput, ModelRunnerOutput
 from .model_runner import ModelRunner
 from .sample_step import StepSampler, sample_deferred, sample_step
@@ -43,6 +44,7 @@ class Worker:
         self.sampler = StepSampler(config.max_num_seqs)
         self.last_sampled: torch.Tensor | None = None  # [R] the last on-device step's tokens (overlap)
         self.kv_connector = None  # chapter 17: the worker side of a KV connector
+        self.hidden_states: HiddenStates | None = None  # chapter 09: the target's h, for a learned drafter
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """(GPU blocks, CPU blocks) this worker's memory holds (the engine takes the minimum over workers)."""
@@ -61,11 +63,15 @@ class Worker:
         if sizes.num_offload_blocks:  # chapter 15: this worker's own shard of every offloaded block
             self.runner.offload = KVOffloadStore(self.cache.k_caches, self.cache.v_caches, sizes.num_offload_blocks)
         self.runner.capture_cuda_graphs(progress)
+        if self.runner.keep_hidden:
+            self.hidden_states = HiddenStates()
 
     def attach_proposer(self, proposer, progress: bool = True) -> None:
         """Chapter 09's drafter (built by the executor, spec_decode.make_proposer): a model-based one
         gets CUDA graphs of its own passes, on this worker's sizes."""
         self.proposer = proposer
+        if hasattr(proposer, "hidden_states"):  # a learned drafter reads the target's h from this worker
+            proposer.hidden_states = self.hidden_states
         if self.runner.graphs is not None and hasattr(proposer, "graphs"):  # its passes replay too
             proposer.graphs = self.runner.make_graphs(model=proposer.model)
             with torch.inference_mode():
@@ -82,6 +88,8 @@ class Worker:
         for slot, lora in step.lora_loads:  # adapters into their GPU slots, in stream order before the pass
             set_adapter(self.lora_layers, slot, lora)
         logits = self.runner.execute(step, self.last_sampled if prev_tokens is None else prev_tokens)
+        if self.hidden_states is not None and self.runner.last_hidden is not None:  # kept here, never sent
+            self.hidden_states.record(self.runner.last_hidden, step.seq_ids, step.query_lens, step.seq_lens)
         if not sample:
             return None
         out, on_device = sample_step(self.sampler, logits, step.sampling)
@@ -131,6 +139,8 @@ class Worker:
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
         self.cache.unbind(self.model)
+        if self.hidden_states is not None:
+            self.hidden_states.clear()
         if self.runner.graphs is not None:
             self.runner.graphs.clear()
             self.runner.graphs = None  # the static buffers too; what is left runs eagerly
