@@ -78,6 +78,9 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter("14", "Structured output", "14-structured-output.md", "14_structured_output", "14_structured_output",
             ("minillm/structured_output/", "minillm/engine/structured_output.py", "minillm/sampling/token_mask.py",
              "kernels/token_bitmask.py", "minillm/bench/structured.py", "minillm/bench/structured_cases.py")),
+    Chapter("15", "KV eviction and offload", "15-kv-eviction-and-offload.md", "15_kv_eviction", "15_kv_eviction",
+            ("minillm/engine/kv_eviction.py", "minillm/worker/kv_compaction.py", "kernels/attn_mass.py",
+             "minillm/bench/kv.py")),
 )
 
 

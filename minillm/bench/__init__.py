@@ -26,6 +26,8 @@ WORKLOADS = {
              "predicted vs measured speedup (chapter 09)"),
     "structured": ("minillm.bench.structured", "structured output: compile ms and mask us/token, ours vs xgrammar; "
                    "constrained vs free decode tok/s; validity (chapter 14)"),
+    "kv": ("minillm.bench.kv", "KV eviction: each policy vs the full cache: blocks held, greedy agreement, NLL, passkey, "
+           "decode tok/s (chapter 15)"),
     "serve": ("minillm.bench.serve", "load an OpenAI-compatible server (--base-url): TTFT/TPOT/ITL/E2E percentiles, "
               "throughput, goodput"),
 }
