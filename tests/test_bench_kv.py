@@ -33,6 +33,8 @@ def test_registered_and_bad_options_refused(tok):
         kv.run(tiny_cfg(tok), tokenizer=tok, policies=["h2o"], device="cpu")
     with pytest.raises(ValueError, match="repeats"):
         kv.run(tiny_cfg(tok), tokenizer=tok, repeats=0, device="cpu")
+    with pytest.raises(ValueError, match="parts must name"):
+        kv.run(tiny_cfg(tok), tokenizer=tok, parts=["memory"], device="cpu")
 
 
 def test_passkey_prompt_hides_the_key(tok):

@@ -69,7 +69,7 @@ def test_h2o_slips_fail(ns, slip):
             held = [i for i in range(min(cur, len(table))) if table[i] != NULL_BLOCK]
             excess = len(held) + 1 - budget
             return sorted(sorted(held, key=lambda i: mass.get(i, 0.0))[:max(0, excess)])
-        return right(table, start, bs, budget, {i: m + 1e-9 * i for i, m in mass.items()})  # ties: the newer first
+        return right(table, start, bs, budget, {i: m - 1e-9 * i for i, m in mass.items()})  # ties: the newer first
 
     with pytest.raises(CheckFailed):
         ch15.check_h2o_victims(slipped, cases=300, engine_cases=2)

@@ -50,6 +50,7 @@ POLICIES = {
     "h2o": dict(kv_eviction="h2o"),
     "snapkv": dict(kv_eviction="snapkv"),
 }
+PARTS = ("quality", "speed")
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
@@ -213,8 +214,9 @@ def speed_rows(engines, text_ids, max_tokens, batch_sizes, repeats):
 
 
 def run(model=None, *, tokenizer=None, quick=None, budgets=None, prompt_len=None, max_tokens=None, batch_sizes=None,
-        repeats=3, passkey_trials=None, policies=tuple(POLICIES), device=None, seed=0, json_path=None,
+        repeats=3, passkey_trials=None, policies=tuple(POLICIES), parts=PARTS, device=None, seed=0, json_path=None,
         block_size=16, **engine_args) -> dict:
+    """parts: which of "quality" (memory, agreement, NLL, passkey at batch 1) and "speed" to run."""
     from ..notebook import describe_device, git_commit
     from .structured import versions
 
@@ -225,6 +227,9 @@ def run(model=None, *, tokenizer=None, quick=None, budgets=None, prompt_len=None
     bad = set(policies) - set(POLICIES)
     if not policies or bad or "full" not in policies:
         raise ValueError(f"policies must include 'full' and name some of {', '.join(POLICIES)}; got {list(policies)}")
+    parts = tuple(parts)
+    if not parts or set(parts) - set(PARTS):
+        raise ValueError(f"parts must name some of {', '.join(PARTS)}; got {list(parts)}")
     budgets = list(budgets or ([64] if quick else [256, 512]))
     prompt_len = prompt_len or (160 if quick else 2048)
     max_tokens = max_tokens or (16 if quick else 128)
@@ -256,12 +261,19 @@ def run(model=None, *, tokenizer=None, quick=None, budgets=None, prompt_len=None
               "quality_metric": "full-cache NLL of each policy's own greedy continuation (not teacher-forced "
                                 "NLL of a fixed text under the policy)"}
     engines = build_engines(models, tok, budgets, policies, engine_args)
-    quality, maps = quality_rows(models, tok, engines, text_ids, max_tokens, passkey_trials, seed)
-    result["quality"], result["kept_maps"] = quality, maps
-    print_table([{k: v for k, v in q.items() if k != "tokens"} for q in quality],
-                ["policy", "budget", "peak_blocks", "held_blocks", "kv_mib", "mem_vs_full", "agree_frac", "first_divergence",
-                 "nll_own", "nll_full", "passkey"], title="memory and quality (batch 1)")
-    speed, ratios = speed_rows(engines, text_ids, max_tokens, batch_sizes, repeats)
+    if "quality" in parts:
+        quality, maps = quality_rows(models, tok, engines, text_ids, max_tokens, passkey_trials, seed)
+        result["quality"], result["kept_maps"] = quality, maps
+        print_table([{k: v for k, v in q.items() if k != "tokens"} for q in quality],
+                    ["policy", "budget", "peak_blocks", "held_blocks", "kv_mib", "mem_vs_full", "agree_frac",
+                     "first_divergence", "nll_own", "nll_full", "passkey"], title="memory and quality (batch 1)")
+    if "speed" in parts:
+        speed, ratios = speed_rows(engines, text_ids, max_tokens, batch_sizes, repeats)
+        result["speed"], result["summary"] = speed, ratios
+        print_table([{k: v for k, v in s.items() if k != "spread"} | {"min": s["spread"]["min"], "max": s["spread"]["max"]}
+                     for s in speed], title="decode tok/s (median of repeats)")
+        print_table([{"ratio": k, "median": v["median"], "min": v["min"], "max": v["max"]} for k, v in ratios.items()],
+                    title="decode tok/s vs the full cache (per repeat)")
     for e in engines.values():
         if not isinstance(e, str):
             free_engine(e)
@@ -287,6 +299,7 @@ def add_arguments(parser, name: str) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--passkey-trials", type=int, default=None)
     parser.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which tables to run")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--device", default=None)
     parser.add_argument("--seed", type=int, default=0)
