@@ -73,3 +73,13 @@ def test_quick_run_writes_every_field(tok, tmp_path):
         ratio = res["summary"][f"{name}@{s['budget']}/full batch{b}"]["values"]
         base = speed["full", b]["spread"]["values"]
         assert ratio == pytest.approx([v / f for v, f in zip(vals, base)])
+
+
+@pytest.mark.slow
+def test_parts_run_alone(tok):
+    res = kv.run(tiny_cfg(tok), tokenizer=tok, parts=["quality"], repeats=1, budgets=[32], prompt_len=48, max_tokens=4,
+                 batch_sizes=[1], passkey_trials=0, device="cpu")
+    assert "quality" in res and "speed" not in res and len(res["quality"]) == len(kv.POLICIES)
+    res = kv.run(tiny_cfg(tok), tokenizer=tok, parts=["speed"], repeats=1, budgets=[32], prompt_len=48, max_tokens=4,
+                 batch_sizes=[1], passkey_trials=0, device="cpu", policies=["full", "h2o"])
+    assert "quality" not in res and {s["policy"] for s in res["speed"]} == {"full", "h2o"}

@@ -277,11 +277,6 @@ def run(model=None, *, tokenizer=None, quick=None, budgets=None, prompt_len=None
     for e in engines.values():
         if not isinstance(e, str):
             free_engine(e)
-    result["speed"], result["summary"] = speed, ratios
-    print_table([{k: v for k, v in s.items() if k != "spread"} | {"min": s["spread"]["min"], "max": s["spread"]["max"]}
-                 for s in speed], title="decode tok/s (median of repeats)")
-    print_table([{"ratio": k, "median": v["median"], "min": v["min"], "max": v["max"]} for k, v in ratios.items()],
-                title="decode tok/s vs the full cache (per repeat)")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)
