@@ -26,6 +26,8 @@ WORKLOADS = {
              "predicted vs measured speedup (chapter 09)"),
     "structured": ("minillm.bench.structured", "structured output: compile ms and mask us/token, ours vs xgrammar; "
                    "constrained vs free decode tok/s; validity (chapter 14)"),
+    "lora": ("minillm.bench.lora", "multi-LoRA: prefill/decode tok/s with 0, 1, 4, 16 distinct adapters in a batch vs the "
+             "base model and HF + PEFT; greedy parity with PEFT (chapter 16)"),
     "serve": ("minillm.bench.serve", "load an OpenAI-compatible server (--base-url): TTFT/TPOT/ITL/E2E percentiles, "
               "throughput, goodput"),
 }
