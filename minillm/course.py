@@ -78,6 +78,8 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter("14", "Structured output", "14-structured-output.md", "14_structured_output", "14_structured_output",
             ("minillm/structured_output/", "minillm/engine/structured_output.py", "minillm/sampling/token_mask.py",
              "kernels/token_bitmask.py", "minillm/bench/structured.py", "minillm/bench/structured_cases.py")),
+    Chapter("16", "Multi-LoRA serving", "16-multi-lora.md", "16_multi_lora", "16_multi_lora",
+            ("minillm/lora/", "kernels/lora_bgmv.py", "minillm/bench/lora.py")),
 )
 
 

@@ -58,11 +58,12 @@ def make_peft_adapters(hf, root: Path, n: int, rank: int, seed: int = 0, std: fl
     import peft
 
     cfg = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=list(target_modules))
-    model = peft.get_peft_model(hf, cfg, adapter_name="a0")
+    # a PeftModel already (one holding a trained adapter, say) takes the random ones beside it
+    model = hf if isinstance(hf, peft.PeftModel) else peft.get_peft_model(hf, cfg, adapter_name="a0")
     folders = []
     for i in range(n):
         name = f"a{i}"
-        if i:
+        if name not in model.peft_config:
             model.add_adapter(name, cfg)
         g = torch.Generator().manual_seed(seed * 1000 + i)
         with torch.no_grad():
