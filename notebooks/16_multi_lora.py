@@ -128,7 +128,7 @@ model = peft.get_peft_model(hf, peft.LoraConfig(r=16, lora_alpha=32, lora_dropou
 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
 losses, t_train = [], time.perf_counter()
 model.train()
-for step in range(STEPS):
+for _step in range(STEPS):
     batch = [data[i] for i in rng.choice(len(data), size=BATCH, replace=len(data) < BATCH)]
     width = max(len(ids) for ids, _ in batch)
     ids = torch.tensor([i + [0] * (width - len(i)) for i, _ in batch], device=dev)  # [B, width], padded right

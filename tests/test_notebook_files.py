@@ -44,7 +44,9 @@ def test_stored_with_outputs(path):
 
 # Notebooks whose stored outputs are still a CPU run: strict, so the mark must go when the GPU outputs land.
 NOT_YET_ON_A_GPU = {"14_structured_output": "the session's device time ran out before notebook 14 ran on a GPU "
-                                            "(scripts/gpu/s1204.sh C runs it)"}
+                                            "(scripts/gpu/s1204.sh C runs it)",
+                    "16_multi_lora": "notebook 16's stored outputs are a CPU run; the integrator's GPU run "
+                                     "(python3 -m minillm.nbrun notebooks/16_multi_lora.ipynb) replaces them"}
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(reason=NOT_YET_ON_A_GPU[p.stem], strict=True))

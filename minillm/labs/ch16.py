@@ -24,7 +24,7 @@ from unittest import mock
 import torch
 
 from ..kernels.lora_bgmv import add_lora_ref
-from .checker import CheckFailed, check
+from .checker import PASSED, CheckFailed, Verdict, check
 from .hints import Hints
 
 _CACHE: dict = {}
@@ -165,7 +165,7 @@ def check_bgmv(fn, cases: int = 40, engine_cases: int = 1):
     from ..lora import layers
 
     ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    for case in range(engine_cases):
+    for _ in range(engine_cases):
         seed = random.SystemRandom().randrange(1 << 20)
         configs = [dict(r=4, lora_alpha=8, target_modules=ALL), dict(r=2, lora_alpha=2, target_modules=["q_proj", "v_proj"]),
                    dict(r=4, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"])]
@@ -177,6 +177,7 @@ def check_bgmv(fn, cases: int = 40, engine_cases: int = 1):
         _compare("bgmv", model, prompts, names, got)
     print(f"✅ bgmv inside the engine: {engine_cases} mixed batch(es) of {len(names)} requests (3 adapters and none) "
           "equal HF + PEFT")
+    return Verdict("bgmv", PASSED, cases + engine_cases)
 
 
 # ---- exercise 2: lora_scaling -------------------------------------------------------------------------
@@ -203,6 +204,7 @@ def check_lora_scaling(fn, cases: int = 50):
     engine.shutdown()
     _compare("lora_scaling", model, prompts, names, got)
     print(f"✅ lora_scaling inside the engine: a plain and an rsLoRA adapter, {len(names)} requests, equal HF + PEFT")
+    return Verdict("lora_scaling", PASSED, cases + 1)
 
 
 hint = Hints("16", {
