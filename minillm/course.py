@@ -81,6 +81,8 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter("15", "KV eviction and offload", "15-kv-eviction-and-offload.md", "15_kv_eviction", "15_kv_eviction",
             ("minillm/engine/kv_eviction.py", "minillm/worker/kv_compaction.py", "kernels/attn_mass.py",
              "minillm/bench/kv.py")),
+    Chapter("16", "Multi-LoRA serving", "16-multi-lora.md", "16_multi_lora", "16_multi_lora",
+            ("minillm/lora/", "kernels/lora_bgmv.py", "minillm/bench/lora.py")),
     Chapter("17", "Disaggregated prefill and decode", "17-disaggregated-prefill-decode.md", "17_disaggregation",
             "17_disaggregation",
             ("minillm/distributed/kv_transfer/", "kernels/kv_block_copy.py", "minillm/entrypoints/router.py",

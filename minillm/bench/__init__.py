@@ -28,6 +28,8 @@ WORKLOADS = {
                    "constrained vs free decode tok/s; validity (chapter 14)"),
     "kv": ("minillm.bench.kv", "KV eviction: each policy vs the full cache: blocks held, greedy agreement, NLL, passkey, "
            "decode tok/s (chapter 15)"),
+    "lora": ("minillm.bench.lora", "multi-LoRA: prefill/decode tok/s with 0, 1, 4, 16 distinct adapters in a batch vs the "
+             "base model and HF + PEFT; greedy parity with PEFT (chapter 16)"),
     "disagg": ("minillm.bench.disagg", "colocated vs 1 prefill + 1 decode engine: TTFT/TPOT/ITL p50/p99 and goodput "
                "at 6-8 Poisson rates, ITL p99 in a prefill burst, tokens equal (chapter 17)"),
     "serve": ("minillm.bench.serve", "load an OpenAI-compatible server (--base-url): TTFT/TPOT/ITL/E2E percentiles, "

@@ -102,6 +102,12 @@ def _check_target_modules(cfg: dict, what: str) -> None:
             raise ValueError(f"{what}: target module {t!r} is not supported; allowed: {', '.join(SUPPORTED_MODULES)}")
 
 
+def lora_scaling(r: int, lora_alpha: float, use_rslora: bool) -> float:
+    """The factor on B A: lora_alpha / r (Hu et al.), or lora_alpha / sqrt(r) with rsLoRA (Kalajdzievski),
+    under which the update's size does not shrink as the rank grows."""
+    return lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r
+
+
 def read_adapter_config(path: str, what: str) -> dict:
     if not os.path.isdir(path):
         raise ValueError(f"{what}: lora_path {path!r} is not a folder (want a PEFT adapter folder with "
@@ -137,7 +143,7 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_lora_
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
         raise ValueError(f"{what}: lora_alpha must be a number, not {alpha!r}")
     _check_target_modules(cfg, what)
-    scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    scaling = lora_scaling(r, alpha, bool(cfg.get("use_rslora")))
     try:
         tensors = load_file(os.path.join(request.lora_path, WEIGHTS_NAME))
     except Exception as e:  # a truncated or foreign file: safetensors raises its own types
