@@ -133,7 +133,7 @@ def test_tokenizing_stops_at_the_token_limit_and_when_the_client_leaves(served, 
     serving = _serving(app)
     calls = []
 
-    def encode(text):
+    def encode(text, **kwargs):
         calls.append(text)
         time.sleep(0.02)
         return [5] * 100
