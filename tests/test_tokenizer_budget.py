@@ -99,3 +99,41 @@ def test_chat_template_ids_stop_at_the_budget(tok):
     assert tok.apply_chat_template(messages, tokenize=True, max_tokens=len(ids)) == ids
     with pytest.raises(TooManyTokens):
         tok.apply_chat_template(messages, tokenize=True, max_tokens=len(ids) - 1)
+
+
+# ---- the chat template's render budget (probe round 4, m6): a template is code from the model's files
+
+
+def _templated(tok, template: str):
+    import copy
+
+    t = copy.copy(tok)
+    t.chat_template = template
+    return t
+
+
+def test_nested_loops_in_a_template_stop_at_the_step_budget(tok):
+    # two nested range(5000) loops: 25M empty steps ran for seconds (99999 x 99999 hung LLM.chat)
+    start = time.perf_counter()
+    t = _templated(tok, "{% for i in range(5000) %}{% for j in range(5000) %}{% endfor %}{% endfor %}hi")
+    with pytest.raises(ValueError, match="loop steps"):
+        t.apply_chat_template([{"role": "user", "content": "x"}])
+    messages = [{"role": "user", "content": "x"}] * 3000  # the messages inside the messages: 9M steps
+    t = _templated(tok, "{% for a in messages %}{% for b in messages[1:] %}{% endfor %}{% endfor %}hi")
+    with pytest.raises(ValueError, match="loop steps"):
+        t.apply_chat_template(messages)
+    assert time.perf_counter() - start < 2.0
+
+
+def test_a_template_that_writes_too_much_is_refused(tok, monkeypatch):
+    from minillm.tokenizer import chat_template
+
+    monkeypatch.setattr(chat_template, "MAX_RENDERED_CHARS", 1 << 20)
+    t = _templated(tok, "{% for i in range(2000) %}{{ messages[0]['content'] }}{% endfor %}")
+    with pytest.raises(ValueError, match="more than 1,048,576 characters"):
+        t.apply_chat_template([{"role": "user", "content": "y" * 1000}])
+    t = _templated(tok, "{{ 'x' * 10000000 }}")  # refused before the string is built
+    with pytest.raises(ValueError, match="10000000 items"):
+        t.apply_chat_template([{"role": "user", "content": "z"}])
+    with pytest.raises(ValueError, match=r"7 \*\* 100000000"):
+        _templated(tok, "{{ 7 ** 100000000 }}").apply_chat_template([{"role": "user", "content": "z"}])
