@@ -223,8 +223,11 @@ class Tokenizer:
         With max_tokens, TooManyTokens once `ids` would hold more, and a long chunk is first checked
         against the fewest tokens that could spell it (budget.py), so it is refused without its BPE."""
         ids = [] if ids is None else ids
+        budgeted = max_tokens is not None or should_stop is not None
+        # unbudgeted (trusted text, the common case): the chunks as one list, the loop as lean as it goes
+        chunks = self.pre_tokenizer.iter_split(text) if budgeted else self.pre_tokenizer.split(text)
         cache = self._cache
-        for n, chunk in enumerate(self.pre_tokenizer.iter_split(text)):
+        for n, chunk in enumerate(chunks):
             hit = cache.get(chunk)
             if hit is None:
                 data = chunk.encode("utf-8")
@@ -236,10 +239,11 @@ class Tokenizer:
                         cache.clear()
                     cache[chunk] = hit
             ids += hit
-            if max_tokens is not None and len(ids) > max_tokens:
-                raise TooManyTokens(max_tokens)
-            if n % CHECK_EVERY == CHECK_EVERY - 1:
-                check_stop(should_stop)
+            if budgeted:
+                if max_tokens is not None and len(ids) > max_tokens:
+                    raise TooManyTokens(max_tokens)
+                if n % CHECK_EVERY == CHECK_EVERY - 1:
+                    check_stop(should_stop)
         return ids
 
     def _encode_parts(self, parts: list[tuple[str, bool]], max_tokens: int | None = None) -> list[int]:
