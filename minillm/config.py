@@ -13,6 +13,7 @@ business (models/registry.py). Within the Llama family the members differ in a f
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 from .checks import check_int
@@ -245,8 +246,20 @@ class ModelConfig:
                 raise ValueError(f"GGUF metadata lacks {arch}.{key}")
             return value
 
-        heads = get("attention.head_count")
-        hidden = get("embedding_length")
+        def positive(key, value, kind=int):
+            # a bad value must be named here, with its key: 0 heads divided by zero below, and a NaN or
+            # negative rope base / epsilon loaded fine, then made every logit NaN (probe round 4, m5)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+            if not ok or (kind is int and value != int(value)):
+                what = "a positive int" if kind is int else "a positive finite number"
+                raise ValueError(f"{arch}.{key}={value!r} must be {what}")
+            return kind(value)
+
+        heads = positive("attention.head_count", get("attention.head_count"))
+        hidden = positive("embedding_length", get("embedding_length"))
+        context = positive("context_length", get("context_length"))
+        if context < 2:
+            raise ValueError(f"{arch}.context_length={context}: a context must hold a prompt token and a new one")
         vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
         eos = meta.get("tokenizer.ggml.eos_token_id")
         return cls(
@@ -256,11 +269,12 @@ class ModelConfig:
             intermediate_size=int(get("feed_forward_length")),
             num_layers=int(get("block_count")),
             num_heads=int(heads),
-            num_kv_heads=int(get("attention.head_count_kv", heads)),
+            num_kv_heads=positive("attention.head_count_kv", get("attention.head_count_kv", heads)),
             head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
-            max_position_embeddings=int(get("context_length")),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
+            max_position_embeddings=context,
+            rms_norm_eps=positive("attention.layer_norm_rms_epsilon", get("attention.layer_norm_rms_epsilon", 1e-5),
+                                  float),
+            rope_theta=positive("rope.freq_base", get("rope.freq_base", 10000.0), float),
             tie_word_embeddings=True,  # corrected by the loader when the file has output.weight
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[int(eos)] if eos is not None else [],

@@ -133,7 +133,7 @@ def test_tokenizing_stops_at_the_token_limit_and_when_the_client_leaves(served, 
     serving = _serving(app)
     calls = []
 
-    def encode(text):
+    def encode(text, **kwargs):
         calls.append(text)
         time.sleep(0.02)
         return [5] * 100
@@ -157,6 +157,32 @@ def test_tokenizing_stops_at_the_token_limit_and_when_the_client_leaves(served, 
     assert e.value.status == 499
     time.sleep(0.2)
     assert len(calls) < 20, len(calls)  # 60 x 0.02 s had it gone on
+
+
+def test_tokenizing_one_long_text_stops_at_its_budget(served, monkeypatch):
+    """BPE itself is told the budget (the context, or what is left of the request's limit) and the
+    stop hook: a text past it is a 400 after about the budget's work, not the whole text's."""
+    http, app = served
+    serving = _serving(app)
+    max_len = app.state.engine.engine.max_model_len
+    from minillm.entrypoints.openai.serving_engine import APIError
+
+    text = "a b" * (max_len * 2)  # fits the characters' bound; past the context
+    serving.max_prompt_tokens = 10**9
+    with pytest.raises(APIError, match=f"longer than {max_len} tokens") as e:
+        serving._token_ids([text])
+    assert e.value.code == "context_length_exceeded"
+    serving.max_prompt_tokens = max_len // 2  # now the request's limit is the nearer one
+    with pytest.raises(APIError, match="--max-prompt-tokens-per-request") as e:
+        serving._token_ids([[1] * (max_len // 4), text])
+    assert e.value.code == "too_many_prompt_tokens"
+    seen = []
+    real = serving.tokenizer.encode
+    monkeypatch.setattr(serving.tokenizer, "encode", lambda t, **kw: seen.append(kw) or real(t, **kw))
+    serving._token_ids([[1] * 10, "hello"], threading.Event())
+    assert seen[0]["max_tokens"] == max_len // 2 - 10 and callable(seen[0]["should_stop"])
+    e = _error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": text}]}), 400)
+    assert e["code"] == "context_length_exceeded" and f"longer than {max_len} tokens" in e["message"]
 
 
 def test_many_short_chat_messages_are_rendered_off_the_event_loop(served, monkeypatch):

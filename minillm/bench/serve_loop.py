@@ -37,6 +37,9 @@ class _NoCore:
     def send(self, cmd) -> None:
         pass
 
+    def send_many(self, cmds) -> None:
+        pass
+
 
 def _front() -> AsyncLLMEngine:
     engine = AsyncLLMEngine(lambda: None)

@@ -121,14 +121,29 @@ class AsyncLLMEngine:
         """Queue a checked request; its rows (engine_core.py) arrive on `out` (anything with put_nowait;
         several requests may share one; deltas.outputs_of makes RequestOutputs of them). lora_request:
         its adapter (chapter 16), checked with it."""
+        return self.add_requests([(request_id, prompt_ids, params)], out, lora_request)
+
+    def add_requests(self, requests: list[tuple[str, list[int], SamplingParams]],
+                     out: asyncio.Queue | Inbox | None = None, lora_request=None) -> asyncio.Queue | Inbox:
+        """add_request for each (id, prompt ids, params), sent to the core as one message: one pickle,
+        so what the requests share (a multi-prompt request's one stop list) arrives shared, not one
+        unpickled copy per prompt (100,000 stops x 1024 prompts took the core from 2.5 to 8.4 GB,
+        probe round 4, S1). All of them are checked before any is queued."""
         self.check_ready()
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        ids = [rid for rid, _, _ in requests]
+        for rid in ids:
+            if rid in self._streams:
+                raise ValueError(f"request_id {rid!r} is already in use")
+        if len(set(ids)) < len(ids):
+            raise ValueError("the request_ids of one add_requests call must differ")
         out = asyncio.Queue() if out is None else out
         arrival = time.perf_counter()
-        detok = RequestDetokenizer(self.engine.tokenizer, params.skip_special_tokens)
-        self._streams[request_id] = (out, prompt_ids, arrival, detok)
-        self.core.send(("add", request_id, prompt_ids, params, arrival, lora_request))
+        cmds = []
+        for rid, prompt_ids, params in requests:
+            detok = RequestDetokenizer(self.engine.tokenizer, params.skip_special_tokens)
+            self._streams[rid] = (out, prompt_ids, arrival, detok)
+            cmds.append(("add", rid, prompt_ids, params, arrival, lora_request))
+        self.core.send_many(cmds)
         return out
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
@@ -253,9 +268,8 @@ class RequestStream:
         self._engine, self._out, self.pending = engine, Inbox(), set()
         self._prompts = {rid: ids for rid, ids, _ in requests}
         try:
-            for rid, ids, params in requests:
-                engine.add_request(rid, ids, params, self._out, lora_request)
-                self.pending.add(rid)
+            engine.add_requests(requests, self._out, lora_request)  # one message: shared params stay shared
+            self.pending.update(rid for rid, _, _ in requests)
         except BaseException:
             self.close()
             raise

@@ -8,12 +8,13 @@
               and the checks. Two GILs: the step and the SSE writes run at the same time.
 
             API process (event loop)                          engine core process
-    add/abort ──(one message each, at once)──────────> pipe ──> reader thread ──> queue.Queue
+    add/abort ──(one message a call, at once)────────> pipe ──> reader thread ──> queue.Queue
                                                                                       │
     streams <── deliver <── add_reader wakes the loop <── pipe <── ("out", rows, load)
                               (drains every message queued)        one message per engine pass
 
-Each message out is pickled plain tuples (engine_core's rows) behind their length, read by the loop
+A request's prompts are added in one call (AsyncLLMEngine.add_requests), so the objects their adds share
+(one stop list) are pickled once. Each message out is pickled plain tuples (engine_core's rows) behind their length, read by the loop
 without ever blocking (FrameReader: a message larger than the pipe arrives over several wake-ups).
 The child's side (its main, the reader thread, the framing) is core_process.py. The core's reader thread always drains the
 command pipe, so the loop's writes never wait on a step. If the core process dies, its pipe's end
@@ -78,6 +79,10 @@ class InprocClient:
 
     def send(self, cmd: tuple) -> None:
         self.commands.put(cmd)  # thread-safe: callable from __del__ on any thread too
+
+    def send_many(self, cmds: list[tuple]) -> None:
+        for cmd in cmds:  # one process: the objects are shared as they are
+            self.commands.put(cmd)
 
     @property
     def alive(self) -> bool:
@@ -151,7 +156,12 @@ class MPClient:
         of 0.2-0.5 s) while the core stepped the few requests it had. A pickle and a pipe write are
         microseconds, a request's handler a millisecond or more. From another thread (__del__ of a
         stream dropped unread) it is buffered, and the loop sends it at its next pass."""
-        self._pending.append(cmd)  # list.append is atomic: __del__ on another thread may call this
+        self.send_many([cmd])
+
+    def send_many(self, cmds: list[tuple]) -> None:
+        """send() for several commands, pickled as one message: an object they share (one request's
+        stop list, in each of its prompts' params) is written once and arrives as one object."""
+        self._pending.extend(cmds)  # list.extend of a list is atomic: __del__ on another thread may call this
         if threading.get_ident() == self._loop_thread:
             self._flush()
         elif not self._flush_scheduled:

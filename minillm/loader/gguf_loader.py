@@ -61,9 +61,9 @@ def read_config(path: str | Path, name: str = "") -> ModelConfig:
         raise ValueError(f"{path}: vocab_size={config.vocab_size} and llama.embedding_length={config.hidden_size} "
                          f"say token_embd.weight is {[config.vocab_size, config.hidden_size]}, but it is {list(emb)}")
     blocks = {int(n.split(".")[1]) for n in tensors if n.startswith("blk.")}
-    if blocks and max(blocks) + 1 < config.num_layers:
+    if blocks and max(blocks) + 1 != config.num_layers:  # fewer: a raw "has no place" from the model later
         raise ValueError(f"{path}: llama.block_count={config.num_layers}, but the file holds blocks 0 to "
-                         f"{max(blocks)} only")
+                         f"{max(blocks)}")
     return config.with_(tie_word_embeddings="output.weight" not in tensors)
 
 

@@ -7,6 +7,7 @@
 """
 
 from .bpe import bpe, merge_pair
+from .budget import EncodeStopped, TooManyTokens
 from .byte_level import byte_to_char, char_to_byte
 from .chat_template import render_chat
 from .detokenizer import IncrementalDetokenizer, complete_prefix
@@ -20,9 +21,11 @@ __all__ = [
     "GPT2",
     "LLAMA3",
     "QWEN2",
+    "EncodeStopped",
     "IncrementalDetokenizer",
     "PreTokenizer",
     "Tokenizer",
+    "TooManyTokens",
     "bpe",
     "byte_to_char",
     "char_to_byte",

@@ -16,7 +16,10 @@ exactly how the training run would have cut this chunk.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from itertools import pairwise
+
+from .budget import CHECK_EVERY, check_stop
 
 # (left id, right id) -> (rank, merged id). Rank is the merge's position in the training order.
 Merges = dict[tuple[int, int], tuple[int, int]]
@@ -39,15 +42,16 @@ def merge_pair(ids: list[int], pair: tuple[int, int], new_id: int) -> list[int]:
     return out
 
 
-def bpe(ids: list[int], merges: Merges) -> list[int]:
+def bpe(ids: list[int], merges: Merges, should_stop: Callable[[], bool] | None = None) -> list[int]:
     """Apply the merges to one chunk (already one id per byte) until none applies.
 
     One merge per step: the adjacent pair with the lowest rank, the leftmost one on a tie. For
     merges in training order this equals joining every occurrence at once (what training did); for
     any other order it is what HF tokenizers and tiktoken do, so it is the rule we follow.
+    should_stop: checked every CHECK_EVERY merges of a long chunk (EncodeStopped when it says so).
     """
     if len(ids) > LONG_CHUNK:
-        return bpe_heap(ids, merges)
+        return bpe_heap(ids, merges, should_stop)
     ids = list(ids)
     while len(ids) >= 2:
         best = min(((merges[p][0], i) for i, p in enumerate(pairwise(ids)) if p in merges), default=None)
@@ -64,7 +68,7 @@ def bpe(ids: list[int], merges: Merges) -> list[int]:
 LONG_CHUNK = 64
 
 
-def bpe_heap(ids: list[int], merges: Merges) -> list[int]:
+def bpe_heap(ids: list[int], merges: Merges, should_stop: Callable[[], bool] | None = None) -> list[int]:
     """bpe() for long chunks: the symbols in a linked list, the candidate merges in a heap.
 
     The heap pops the lowest rank first and, for equal ranks (the same pair), the leftmost position,
@@ -76,25 +80,34 @@ def bpe_heap(ids: list[int], merges: Merges) -> list[int]:
     nxt = list(range(1, n + 1))  # index of the next live symbol (n: none)
     prv = list(range(-1, n - 1))  # index of the previous live symbol (-1: none)
     alive = [True] * n
-    heap = [(merges[p][0], i, p) for i, p in enumerate(pairwise(ids)) if p in merges]
+    # An entry is one int, rank * n + position: ints compare several times faster than tuples, and a
+    # rank names its pair (each pair has one), so the entry needs no copy of the pair.
+    heap = [merges[p][0] * n + i for i, p in enumerate(pairwise(ids)) if p in merges]
     heapq.heapify(heap)
-
-    def push(i: int) -> None:
-        j = nxt[i]
-        if 0 <= i and j < n and (ids[i], ids[j]) in merges:
-            pair = (ids[i], ids[j])
-            heapq.heappush(heap, (merges[pair][0], i, pair))
-
+    get, pop, push = merges.get, heapq.heappop, heapq.heappush
+    pops = 0
     while heap:
-        _, i, pair = heapq.heappop(heap)
+        pops += 1
+        if pops % CHECK_EVERY == 0:
+            check_stop(should_stop)
+        rank, i = divmod(pop(heap), n)
         j = nxt[i]
-        if not alive[i] or j >= n or (ids[i], ids[j]) != pair:
+        if not alive[i] or j >= n:
+            continue
+        merge = get((ids[i], ids[j]))
+        if merge is None or merge[0] != rank:
             continue  # stale: one of its symbols was merged away since
-        ids[i] = merges[pair][1]  # symbol i absorbs symbol j
+        ids[i] = merge[1]  # symbol i absorbs symbol j
         alive[j] = False
-        nxt[i] = nxt[j]
-        if nxt[j] < n:
-            prv[nxt[j]] = i
-        push(prv[i])
-        push(i)
+        k = nxt[i] = nxt[j]
+        if k < n:
+            prv[k] = i
+            right = get((ids[i], ids[k]))
+            if right is not None:
+                push(heap, right[0] * n + i)
+        h = prv[i]
+        if h >= 0:
+            left = get((ids[h], ids[i]))
+            if left is not None:
+                push(heap, left[0] * n + h)
     return [t for t, keep in zip(ids, alive) if keep]

@@ -25,13 +25,22 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from datetime import datetime
 from functools import lru_cache
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
 ROLES = ("system", "user", "assistant", "tool")
+
+# A template is code the model's files bring, and it runs in the server. The sandbox stops it reading
+# or writing what it should not, not from running for ever: two nested range(99999) loops hung
+# LLM.chat, and a template that wrote 10 GB ran out of memory (probe round 4, m6). A render gets a
+# budget: loop steps over range() and the messages, the length of what `*` builds, and its output.
+MAX_TEMPLATE_STEPS = 2_000_000  # iterations of range() and of the messages list, per render
+MAX_RENDERED_CHARS = 1 << 26  # 64 Mi characters: far past any context this engine serves
+_steps = threading.local()  # the render running on this thread: its steps left
 
 
 def render_chat(tokenizer, messages, add_generation_prompt: bool = True, **kwargs) -> str:
@@ -39,16 +48,62 @@ def render_chat(tokenizer, messages, add_generation_prompt: bool = True, **kwarg
     if not template:
         raise ValueError(f"tokenizer {tokenizer.name!r} has no chat template; pass a prompt string instead")
     _check_messages(messages)
+    _steps.left = MAX_TEMPLATE_STEPS
+    out, size = [], 0
     try:
-        return _compile(template).render(
-            messages=messages,
+        for piece in _compile(template).generate(
+            messages=_Counted(messages),
             add_generation_prompt=add_generation_prompt,
             bos_token=tokenizer.bos_token or "",
             eos_token=tokenizer.eos_token or "",
             **kwargs,
-        )
+        ):
+            size += len(piece)
+            if size > MAX_RENDERED_CHARS:
+                raise jinja2.TemplateError(f"it wrote more than {MAX_RENDERED_CHARS:,} characters")
+            out.append(piece)
     except jinja2.TemplateError as e:
         raise ValueError(f"the chat template failed: {e}") from e
+    return "".join(out)
+
+
+def _charge(steps: int) -> None:
+    left = getattr(_steps, "left", MAX_TEMPLATE_STEPS) - steps
+    if left < 0:
+        raise jinja2.TemplateError(f"it ran more than {MAX_TEMPLATE_STEPS:,} loop steps (range() and the "
+                                   f"messages), more than any conversation needs")
+    _steps.left = left
+
+
+def _range(*args) -> range:
+    r = safe_range(*args)  # the sandbox's own cap: one range of at most 100,000
+    _charge(len(r))  # charged when made: a range inside a loop is paid for each time round
+    return r
+
+
+class _Counted(list):
+    """The messages, as the template sees them: iterating them (or a slice of them) costs steps, so
+    a loop over the messages inside a loop over the messages is bounded too."""
+
+    def __iter__(self):
+        _charge(len(self))
+        return super().__iter__()
+
+    def __getitem__(self, index):
+        item = super().__getitem__(index)
+        return _Counted(item) if isinstance(index, slice) else item
+
+
+def _binop(env, context, op: str, left, right):
+    """`*` and `**` whose result would be huge are refused before they are computed."""
+    if op == "*" and isinstance(left, int) and isinstance(right, (str, list, tuple)):
+        left, right = right, left
+    if op == "*" and isinstance(left, (str, list, tuple)) and isinstance(right, int):
+        if len(left) * right > MAX_RENDERED_CHARS:
+            raise jinja2.TemplateError(f"it asked for {len(left)} x {right} items, more than {MAX_RENDERED_CHARS:,}")
+    if op == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 4096:
+        raise jinja2.TemplateError(f"it asked for {left} ** {right}")
+    return env.binop_table[op](left, right)
 
 
 def chat_parts(tokenizer, messages, add_generation_prompt: bool = True, **kwargs) -> tuple[str, list[tuple[str, bool]]]:
@@ -122,9 +177,17 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+class _BudgetedEnvironment(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, op, left, right):
+        return _binop(self, context, op, left, right)
+
+
 @lru_cache(maxsize=8)
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = _BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["range"] = _range
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

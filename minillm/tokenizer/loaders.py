@@ -65,6 +65,7 @@ def from_gguf(path: str | Path) -> Tokenizer:
     ids = {t: i for i, t in enumerate(tokens)}
     # control tokens are special; user-defined ones are matched whole in text but are not special
     added = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (GGUF_CONTROL, GGUF_USER_DEFINED)}
+    _check_unique_added(tokens, added, path)
     special = [i for i, ty in enumerate(types) if ty == GGUF_CONTROL]
     added_ids = set(added.values())
     return Tokenizer(
@@ -81,6 +82,18 @@ def from_gguf(path: str | Path) -> Tokenizer:
         chat_template=meta.get("tokenizer.chat_template"),
         name=str(meta.get("general.name", Path(path).stem)),
     )
+
+
+def _check_unique_added(tokens: list[str], added: dict[str, int], path) -> None:
+    """An added token's text must name one id: a second "<|im_end|>" made the chat template's marker
+    an id that is not the eos token, so chat answered '' (probe round 4, m5)."""
+    first: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        if t in added:
+            if t in first:
+                raise ValueError(f"{path}: tokenizer.ggml.tokens holds the added token {t!r} twice (ids {first[t]} "
+                                 f"and {i}); each control or user-defined token must name one id")
+            first[t] = i
 
 
 # ---- Hugging Face tokenizer.json ----------------------------------------------------------------

@@ -12,6 +12,7 @@ hence the `regex` package.
 from __future__ import annotations
 
 import unicodedata
+from collections.abc import Iterable, Iterator
 
 import regex
 
@@ -65,26 +66,35 @@ class PreTokenizer:
         self._compiled = [regex.compile(p) for p in self.patterns]
 
     def split(self, text: str) -> list[str]:
+        return list(self.iter_split(text))
+
+    def iter_split(self, text: str) -> Iterator[str]:
+        """split(), one chunk at a time: an encoder that stops early (a token budget) has not paid
+        for cutting the rest of a long text."""
         if self.normalization:
             text = unicodedata.normalize(self.normalization, text)
-        chunks = [text] if text else []
+        chunks: Iterable[str] = [text] if text else []
         for pattern in self._compiled:
-            chunks = [piece for chunk in chunks for piece in _isolated_split(pattern, chunk)]
-        return chunks
+            chunks = _split_each(pattern, chunks)  # a function, so each stage keeps its own pattern
+        return iter(chunks)
 
     def __repr__(self) -> str:
         return f"PreTokenizer(patterns={len(self.patterns)}, normalization={self.normalization!r})"
 
 
-def _isolated_split(pattern: regex.Pattern, text: str) -> list[str]:
+def _split_each(pattern: regex.Pattern, chunks: Iterable[str]) -> Iterator[str]:
+    for chunk in chunks:
+        yield from _isolated_split(pattern, chunk)
+
+
+def _isolated_split(pattern: regex.Pattern, text: str) -> Iterator[str]:
     """Every match of `pattern`, plus the unmatched text between matches, in order."""
-    pieces, last = [], 0
+    last = 0
     for m in pattern.finditer(text):
         if m.start() > last:
-            pieces.append(text[last : m.start()])
+            yield text[last : m.start()]
         if m.end() > m.start():
-            pieces.append(m.group())
+            yield m.group()
         last = m.end()
     if last < len(text):
-        pieces.append(text[last:])
-    return pieces
+        yield text[last:]

@@ -18,6 +18,7 @@ from operator import index as as_int
 import regex
 
 from .bpe import Merges, bpe
+from .budget import CHECK_EVERY, TooManyTokens, cannot_fit, check_stop
 from .byte_level import spell
 from .pretokenize import PreTokenizer
 
@@ -106,14 +107,22 @@ class Tokenizer:
     def bos_token(self) -> str | None:
         return None if self.bos_token_id is None else self.id_to_token(self.bos_token_id)
 
-    def encode(self, text: str, add_special_tokens: bool = True, allowed_special="all") -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, allowed_special="all", *,
+               max_tokens: int | None = None, should_stop=None) -> list[int]:
         """text -> token ids.
 
         add_special_tokens: add the BOS/EOS the model's files ask for (SmolLM2 asks for none).
         allowed_special: which added tokens the text may contain: "all", "none", or a set of them.
+        max_tokens: raise TooManyTokens (a ValueError) as soon as the ids would be more than this,
+        after work proportional to about max_tokens tokens, not to the text (budget.py).
+        should_stop: a callable checked every few thousand chunks or merges; when it returns True,
+        encoding ends with EncodeStopped (a server's client left).
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, not {type(text).__name__}")
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or max_tokens < 0):
+            raise ValueError(f"max_tokens must be None or an int >= 0, not {max_tokens!r}")
         _check_unicode(text)
         ids: list[int] = []
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
@@ -122,12 +131,14 @@ class Tokenizer:
         last = 0
         if splitter is not None:
             for m in splitter.finditer(text):
-                ids += self._encode_plain(text[last : m.start()])
+                self._encode_plain(text[last : m.start()], ids, max_tokens, should_stop)
                 ids.append(self.added_tokens[m.group()])
                 last = m.end()
-        ids += self._encode_plain(text[last:])
+        self._encode_plain(text[last:], ids, max_tokens, should_stop)
         if add_special_tokens and self.add_eos_token and self.eos_token_id is not None:
             ids.append(self.eos_token_id)
+        if max_tokens is not None and len(ids) > max_tokens:  # an added token or EOS went past it
+            raise TooManyTokens(max_tokens)
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
@@ -178,20 +189,22 @@ class Tokenizer:
             raise ValueError(f"{token!r} is not a token of this vocabulary")
         return index[token]
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False, **kwargs):
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False, *,
+                            max_tokens: int | None = None, **kwargs):
         """Render a conversation with the model's own template: a str, or its ids if tokenize=True.
 
         With tokenize=True a message's content is the user's text: where it spells a control token
         ("<|im_end|>") it gets the ids of those characters, never the control token, so no message can
         end its turn early or forge another role's turn; the template's own markers are control
         tokens. Encoding the returned str yourself cannot tell the two apart: use tokenize=True.
+        max_tokens (with tokenize=True): TooManyTokens once the ids would be more, as in encode().
         """
         from .chat_template import chat_parts, render_chat
 
         if not tokenize:
             return render_chat(self, messages, add_generation_prompt=add_generation_prompt, **kwargs)
         _, parts = chat_parts(self, messages, add_generation_prompt=add_generation_prompt, **kwargs)
-        return self._encode_parts(parts)
+        return self._encode_parts(parts, max_tokens)
 
     def __len__(self) -> int:
         return self.vocab_size
@@ -204,22 +217,36 @@ class Tokenizer:
 
     # ---- the machinery --------------------------------------------------------------------------
 
-    def _encode_plain(self, text: str) -> list[int]:
-        """Text with no added tokens in it -> ids, chunk by chunk, through a cache."""
-        ids: list[int] = []
+    def _encode_plain(self, text: str, ids: list[int] | None = None, max_tokens: int | None = None,
+                      should_stop=None) -> list[int]:
+        """Text with no added tokens in it -> ids (appended to `ids`), chunk by chunk, through a cache.
+        With max_tokens, TooManyTokens once `ids` would hold more, and a long chunk is first checked
+        against the fewest tokens that could spell it (budget.py), so it is refused without its BPE."""
+        ids = [] if ids is None else ids
+        budgeted = max_tokens is not None or should_stop is not None
+        # unbudgeted (trusted text, the common case): the chunks as one list, the loop as lean as it goes
+        chunks = self.pre_tokenizer.iter_split(text) if budgeted else self.pre_tokenizer.split(text)
         cache = self._cache
-        for chunk in self.pre_tokenizer.split(text):
+        for n, chunk in enumerate(chunks):
             hit = cache.get(chunk)
             if hit is None:
-                hit = bpe(self.bytes_to_ids(chunk.encode("utf-8")), self.merges)
+                data = chunk.encode("utf-8")
+                if max_tokens is not None and cannot_fit(self, data, max_tokens - len(ids), should_stop):
+                    raise TooManyTokens(max_tokens)
+                hit = bpe(self.bytes_to_ids(data), self.merges, should_stop)
                 if len(chunk) <= _CACHE_MAX_CHUNK:  # a long run is unlikely to come back: do not cache it
                     if len(cache) >= _CACHE_LIMIT:
                         cache.clear()
                     cache[chunk] = hit
             ids += hit
+            if budgeted:
+                if max_tokens is not None and len(ids) > max_tokens:
+                    raise TooManyTokens(max_tokens)
+                if n % CHECK_EVERY == CHECK_EVERY - 1:
+                    check_stop(should_stop)
         return ids
 
-    def _encode_parts(self, parts: list[tuple[str, bool]]) -> list[int]:
+    def _encode_parts(self, parts: list[tuple[str, bool]], max_tokens: int | None = None) -> list[int]:
         """[(text, trusted)] -> the ids of their concatenation, as encode(add_special_tokens=False)
         gives them, except that control tokens are matched only in trusted parts: an untrusted part's
         control-token text is plain text (its other added tokens stay added tokens, as in HF). Plain
@@ -233,11 +260,14 @@ class Tokenizer:
             splitter, last = (trusted if is_trusted else untrusted), 0
             for m in splitter.finditer(text) if splitter is not None else ():
                 plain.append(text[last : m.start()])
-                ids += self._encode_plain("".join(plain))
+                self._encode_plain("".join(plain), ids, max_tokens)
                 ids.append(self.added_tokens[m.group()])
                 plain, last = [], m.end()
             plain.append(text[last:])
-        return ids + self._encode_plain("".join(plain))
+        ids = self._encode_plain("".join(plain), ids, max_tokens)
+        if max_tokens is not None and len(ids) > max_tokens:  # the last added token went past it
+            raise TooManyTokens(max_tokens)
+        return ids
 
     @lru_cache(maxsize=16)  # noqa: B019 -- a handful of allowed sets per tokenizer, kept for its life
     def _added_splitter(self, allowed: frozenset[str]) -> regex.Pattern | None:

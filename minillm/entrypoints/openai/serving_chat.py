@@ -23,6 +23,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ...outputs import Logprob
+from ...tokenizer import TooManyTokens
 from .hermes_tool_parser import HermesToolParser, parse_all
 from .protocol import (
     AssistantMessage,
@@ -68,12 +69,15 @@ class OpenAIServingChat(OpenAIServing):
             if "tool_calls" in m:
                 chars += self._check_no_control_text(m["tool_calls"], f"messages[{i}].tool_calls")
         chars += sum(len(m["content"]) for m in conversation)
-        self.check_text_length("the conversation", chars, self.engine.engine.max_model_len, "the model's context",
-                               "messages")
+        max_len = self.engine.engine.max_model_len
+        self.check_text_length("the conversation", chars, max_len, "the model's context", "messages")
         # the messages count too: 120,000 empty ones took the template 1.25 s (probe round 4, M3)
         try:
             ids = await tokenize(chars + MESSAGE_CHARS * len(conversation), self.tokenizer.apply_chat_template,
-                                 conversation, add_generation_prompt=True, tokenize=True, **extra)
+                                 conversation, add_generation_prompt=True, tokenize=True, max_tokens=max_len, **extra)
+        except TooManyTokens:  # BPE stopped there: the rest could not make it fit
+            raise APIError(400, f"the conversation is longer than {max_len} tokens, the model's context "
+                           f"(max_model_len={max_len})", param="messages", code="context_length_exceeded") from None
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="messages") from None
         marks = {"received": received, "tokenized": time.perf_counter()}

@@ -28,6 +28,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ...outputs import Logprob
+from ...tokenizer import EncodeStopped, TooManyTokens
 from .cli_args import DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_PROMPTS, DEFAULT_MAX_SEQS
 from .protocol import (
     BadField,
@@ -150,16 +151,31 @@ class OpenAIServingCompletion(OpenAIServing):
             if isinstance(p, list) and not p:
                 raise BadField("prompt", f"prompt[{i}] is empty: a prompt needs at least one token")
         out, total = [], 0
+        max_len = self.engine.engine.max_model_len
         for i, p in enumerate(prompts):
             if stop is not None and stop.is_set():
                 raise _Stopped
             if not isinstance(p, str):
                 out.append(p)
             else:
+                name = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                # BPE stops once the text is known to hold more tokens than either limit allows, after
+                # work for about that many tokens ('a' * 400,000 took 4 s to count before the budget)
+                budget = min(max_len, self.max_prompt_tokens - total)
                 try:
-                    out.append(self.tokenizer.encode(p))
+                    out.append(self.tokenizer.encode(p, max_tokens=budget, should_stop=stop and stop.is_set))
+                except TooManyTokens:
+                    if budget < max_len:  # the request's limit was the nearer one
+                        raise APIError(400, f"the request's prompts hold more than {self.max_prompt_tokens} tokens "
+                                       f"in all; this server takes at most {self.max_prompt_tokens} per request "
+                                       "(--max-prompt-tokens-per-request)", param="prompt",
+                                       code="too_many_prompt_tokens") from None
+                    raise APIError(400, f"{name} is longer than {max_len} tokens, the model's context "
+                                   f"(max_model_len={max_len})", param="prompt",
+                                   code="context_length_exceeded") from None
+                except EncodeStopped:
+                    raise _Stopped from None
                 except (ValueError, TypeError) as e:  # a lone surrogate ("\ud800" in the JSON) is not text
-                    name = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
                     raise BadField("prompt", f"{name} is not valid Unicode text: {e}") from None
             total += len(out[-1])
             if total > self.max_prompt_tokens:  # the rest cannot change the answer: a 400
