@@ -41,10 +41,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch.nn.functional as F
 
+import minillm.kernels.flash_decode as fd_module
+import minillm.layers.attention as attn_module
 from minillm import notebook as nb
 from minillm.bench.table import print_table
-from minillm.hw import time_it
 from minillm.config import PRESETS, ModelConfig
+from minillm.hw import time_it
 from minillm.kernels import gemv as gemv_module
 from minillm.kernels.gemv import gemv, gemv_config, gemv_ref
 from minillm.labs import ch18
@@ -108,9 +110,6 @@ else:
 # prompt's prefill takes the layers' own path (the GEMV path is for steps of at most 8 tokens).
 
 # %%
-import minillm.kernels.flash_decode as fd_module
-import minillm.layers.attention as attn_module
-
 counts = {"gemv": 0, "rope_store_kv": 0, "flash_decode": 0}
 originals = (gemv_module.gemv, attn_module.rope_store_kv, fd_module.flash_decode)
 
@@ -158,6 +157,7 @@ def decode_linears(c: ModelConfig) -> list[dict]:
 
 
 DTYPE = torch.bfloat16 if nb.on_gpu() else torch.float32
+PDL = nb.on_gpu() and torch.cuda.get_device_capability() >= (9, 0)  # the interpreter has no griddepcontrol
 g = torch.Generator().manual_seed(18)
 
 
@@ -179,12 +179,11 @@ else:  # tiny stand-ins with every variant; 8 x 64 tiles so K = 200 splits four 
 rows = []
 for model, s in shapes:
     x, w, fused = inputs(s, 4)
-    out = gemv(x, w, **fused, config=tiles)
+    batched = gemv(x, w, **fused, config=tiles, pdl=PDL)
     ref = gemv_ref(x.float(), w.float(), **{k: (v.float() if torch.is_tensor(v) else v) for k, v in fused.items()})
-    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-    batched = gemv(x, w, **fused, config=tiles)
+    err = ((batched.float() - ref).abs().max() / ref.abs().max()).item()
     alone = gemv(x[2:3], w, **{**fused, "residual": None if fused["residual"] is None else fused["residual"][2:3]},
-                 config=tiles)
+                 config=tiles, pdl=PDL)
     rows.append({"model": model, "op": s["op"], "N x K": f"{s['N']} x {s['K']}", "max rel err": f"{err:.1e}",
                  "row alone == in batch": bool(torch.equal(alone[0], batched[2]))})
     assert err < (2e-2 if nb.on_gpu() else 1e-5) and rows[-1]["row alone == in batch"], rows[-1]
@@ -198,7 +197,8 @@ print_table(rows, title=f"gemv vs the unfused ops at M = 4 ({DTYPE})")
 # captured back to back in one CUDA graph, so the launch cost is counted and, with PDL, each launch
 # overlaps its predecessor's tail as in a graphed step. µs per call = one replay / calls, median of 5
 # replays; 3 repeats alternating the implementations. cuBLAS (`F.linear`) does only the projection; our
-# kernel also does its fused norm or epilogue.
+# kernel also does its fused norm or epilogue. (`scripts/gpu/floor_gemv.py` also times our kernel without
+# PDL, what PDL buys a GEMV on its own, and M = 4 and 8.)
 
 # %%
 def time_us(calls) -> float:
@@ -216,9 +216,7 @@ if nb.on_gpu():
         nbytes = s["N"] * s["K"] * 2
         ws = [w0] + [torch.randn_like(w0) * s["K"] ** -0.5 for _ in range(max(0, min(255, int(160e6 // nbytes))))]
         impls = {"cuBLAS": [lambda w=w, x=x: F.linear(x, w) for w in ws],
-                 "ours + PDL": [lambda w=w, x=x, f=fused: gemv(x, w, **f, pdl=True) for w in ws]}
-        if model == "llama-3.2-1b":  # what PDL itself buys, on one model
-            impls["ours, no PDL"] = [lambda w=w, x=x, f=fused: gemv(x, w, **f) for w in ws]
+                 "ours + PDL": [lambda w=w, x=x, f=fused: gemv(x, w, **f, pdl=PDL) for w in ws]}
         times = {k: [] for k in impls}
         for _ in range(3):
             for k, calls in impls.items():
