@@ -5,6 +5,7 @@ answer on the lab's own solution."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from minillm.labs import CheckFailed, ch18
 from minillm.labs.student import solution_namespace
 
 LAB = Path(__file__).resolve().parent.parent / "notebooks" / "labs" / "18_decode_floor.py"
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"  # where the Triton kernels run
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +33,9 @@ def test_solution_passes(ns):
 
 def test_harness_matches_the_unfused_ops(ns, seed):
     g = torch.Generator().manual_seed(seed)
-    x, w = torch.randn(3, 70, generator=g), torch.randn(20, 70, generator=g) * 70**-0.5
-    gain, res = 1 + 0.2 * torch.randn(70, generator=g), torch.randn(3, 10, generator=g)
-    bias = torch.randn(20, generator=g)
+    x, w = torch.randn(3, 70, generator=g).to(DEVICE), (torch.randn(20, 70, generator=g) * 70**-0.5).to(DEVICE)
+    gain, res = (1 + 0.2 * torch.randn(70, generator=g)).to(DEVICE), torch.randn(3, 10, generator=g).to(DEVICE)
+    bias = torch.randn(20, generator=g).to(DEVICE)
     got = ch18.split_k_gemv(ns["gemv_partials"], x, w, bias, norm_weight=gain, residual=res, silu_mul=True,
                             block=(8, 16))
     torch.testing.assert_close(got, gemv_ref(x, w, bias, norm_weight=gain, residual=res, silu_mul=True),
@@ -89,4 +91,4 @@ def test_slips_are_caught(slip):
 def test_a_slip_in_the_engine_is_caught():
     """The engine check alone: a kernel whose every split reads the first K slice changes the tiny model's tokens."""
     with pytest.raises(CheckFailed, match="engine"):
-        ch18._check_in_the_engine(_With(FIRST_SLICE=True), "cpu")
+        ch18._check_in_the_engine(_With(FIRST_SLICE=True), DEVICE)
