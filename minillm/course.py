@@ -87,6 +87,9 @@ CHAPTERS: tuple[Chapter, ...] = (
             "17_disaggregation",
             ("minillm/distributed/kv_transfer/", "kernels/kv_block_copy.py", "minillm/entrypoints/router.py",
              "minillm/bench/disagg.py")),
+    Chapter("18", "Decode at the bandwidth floor", "18-decode-at-the-floor.md", "18_decode_floor", "18_decode_floor",
+            ("kernels/gemv.py", "minillm/layers/decode_gemv.py", "kernels/rope_store_kv.py", "kernels/flash_decode.py",
+             "minillm/models/llama.py")),
 )
 
 
