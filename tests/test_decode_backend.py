@@ -64,12 +64,18 @@ def test_pdl_backend_gives_the_tokens_of_graphs(seed, tok, arch, monkeypatch):
     enable_decode_gemv(model, None)
 
 
-def test_refusals():
-    """A CPU without the interpreter's Triton path, a model without the dense layer, a bad name."""
+def test_refusals(monkeypatch):
+    """A CPU without the interpreter's Triton path, a model without the dense layer, a bad name. The CPU
+    is accepted only in the interpreter's test mode (kernel mode "triton" and TRITON_INTERPRET=1), which
+    the function reads from the environment at the call: set both ways here, so that the test says the
+    same on a CPU machine (the suite runs with TRITON_INTERPRET=1) and on a GPU one (it runs without)."""
     model, _ = random_model(random.Random(0), architecture="llama", sliding_windows=[])
     assert "CUDA GPU" in decode_gemv_refusal(model, torch.device("cpu"))  # kernel mode "auto": references
     with kernel_mode("triton"):
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
         assert decode_gemv_refusal(model, torch.device("cpu")) is None
+        monkeypatch.delenv("TRITON_INTERPRET")
+        assert "CUDA GPU" in decode_gemv_refusal(model, torch.device("cpu"))
     assert "no GEMV decode path" in decode_gemv_refusal(torch.nn.Linear(2, 2), torch.device("cpu"))
     with pytest.raises(ValueError, match="decode_backend must be one of"):
         EngineConfig(decode_backend="megakernel")
