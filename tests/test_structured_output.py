@@ -172,7 +172,7 @@ def test_json_index_equals_brute_force_and_outputs_validate(vocab, k, ws, seed):
     _walk_and_check(compiled, random.Random(seed + k), 150, done.append)
     for text in done:
         value = json.loads(text.decode("utf-8"))
-        jsonschema.validate(value, schema)
+        jsonschema.validate(value, schema, format_checker=jsonschema.FormatChecker())  # format date too
         if ws is None:  # compact: exactly the separators ", " and ": ", nothing else
             bare = re.sub(r'"(\\.|[^"\\])*"', '""', text.decode())  # string contents removed
             assert not re.search(r"[\n\r\t]|(?<![,:]) | {2}", bare), text
@@ -212,6 +212,39 @@ def test_compile_cache_by_hash(vocab):
     b = c.compile(StructuredOutputsParams(json='{"type": "object", "properties": {"x": {"type": "integer"}}}'))
     assert a is b and c.hits == 1 and c.misses == 1
     assert c.compile_json_schema({"type": "object", "properties": {"y": {"type": "integer"}}}) is not a
+
+
+def _date_candidates(rng):
+    """Every month 00..13 x day 00..32 for the years where the calendar turns (0000, leap years, the
+    centuries) and a few random ones: the strings a walk through [0-9]{4}-[01][0-9]-[0-3][0-9] meets."""
+    years = [0, 1, 4, 99, 100, 400, 1900, 2000, 2023, 2024, 9999] + rng.sample(range(10000), 6)
+    return [f"{y:04d}-{m:02d}-{d:02d}" for y in years for m in range(14) for d in range(33)]
+
+
+@pytest.mark.parametrize("fmt", ["date", "date-time"])
+def test_format_date_accepts_exactly_what_jsonschema_accepts(vocab, fmt, seed):
+    """The GPU run's validity assert found "0000-01-01" (Python's datetime has no year 0). Over every
+    month/day of the years where the calendar turns, the matcher accepts a date exactly when
+    jsonschema's format checker does: years 0001-9999, each month's last day, 02-29 in leap years."""
+    import jsonschema
+
+    checker = jsonschema.FormatChecker()
+    compiled = GrammarCompiler(vocab).compile_json_schema({"type": "string", "format": fmt})
+    rng = random.Random(seed)
+    suffixes = ["T00:00:00Z", "T23:59:60Z", "T12:30:05.25+05:30"] if fmt == "date-time" else [""]
+    wrong = []
+    for date in _date_candidates(rng):
+        s = date + rng.choice(suffixes)
+        m = Matcher(compiled)
+        ours = m.accept_string(json.dumps(s)) and m.can_end()
+        if ours != checker.conforms(s, fmt):
+            wrong.append((s, ours))
+    assert not wrong, wrong[:5]
+    for s in ("0001-01-01", "9999-12-31", "2024-02-29"):  # the edges, named
+        s += "T00:00:00Z" if fmt == "date-time" else ""
+        m = Matcher(compiled)
+        assert m.accept_string(json.dumps(s)) and m.can_end() and checker.conforms(s, fmt), s
+    assert not Matcher(compiled).accept_string('"0000-01-01'), "year 0000 must be refused"
 
 
 @pytest.mark.parametrize(("schema", "msg"), [

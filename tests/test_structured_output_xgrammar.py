@@ -87,3 +87,21 @@ def test_xgrammar_root_recursion_mask_bug(vocab):
     assert tid[b"],"] in m.allowed_tokens()
     assert not unpack_bits(bm[0].numpy(), vocab.vocab_size)[tid[b"],"]]  # xgrammar's mask: left out
     assert xm.accept_token(tid[b"],"])  # ... yet accepted
+
+
+def test_xgrammar_date_admits_year_0000(vocab):
+    """Documents a peer departure (xgrammar 0.2.9): its format date takes "0000-01-01", which
+    jsonschema refuses (no year 0); ours refuses it. The parity walk compares against our
+    xgrammar_strings mode, which copies xgrammar's looser date (XGR_DATE in json_schema.py). If this
+    test fails, xgrammar tightened its date: drop XGR_DATE and compare the strict grammar."""
+    import jsonschema
+
+    from minillm.structured_output import GrammarCompiler, Matcher
+    from minillm.structured_output.peer import xgrammar_tokenizer_info
+
+    schema = {"type": "string", "format": "date"}
+    xc = xgr.GrammarCompiler(xgrammar_tokenizer_info(vocab), max_threads=1, cache_enabled=False)
+    xm = xgr.GrammarMatcher(xc.compile_json_schema(json.dumps(schema)))
+    assert xm.accept_string('"0000-01-01"') and xm.accept_token(vocab.stop_ids[0])  # the whole output, ended
+    assert not Matcher(GrammarCompiler(vocab).compile_json_schema(schema)).accept_string('"0000-01-01"')
+    assert not jsonschema.FormatChecker().conforms("0000-01-01", "date")

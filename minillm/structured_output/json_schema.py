@@ -53,8 +53,17 @@ NUMBER = ir.seq(ir.opt(ir.lit("-")), ir.alt(ir.lit("0"), ir.seq(_D19, ir.Rep(_D,
 BOOLEAN = ir.alt(ir.lit("true"), ir.lit("false"))
 NULL = ir.lit("null")
 
-DATE = r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
-DATE_TIME = DATE + r"T([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+# What jsonschema's format checker accepts (RFC 3339 as Python's datetime reads it): years 0001-9999
+# (datetime has no year 0), each month's own last day, 02-29 only in leap years, no leap second.
+_YEAR = r"(000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"
+_LEAP_YEAR = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"  # /4, not /100 unless /400
+DATE = (_YEAR + r"-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))"
+        + "|" + _LEAP_YEAR + "-02-29")
+_TIME = r"T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+DATE_TIME = "(" + DATE + ")" + _TIME
+# xgrammar 0.2.9's, looser (year 0000, day 31 in every month, second 60): only to compare the backends.
+XGR_DATE = r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+XGR_DATE_TIME = XGR_DATE + r"T([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
 
 
 def schema_to_grammar(schema, max_whitespace: int | None = None, source: str = "json schema",
@@ -64,7 +73,8 @@ def schema_to_grammar(schema, max_whitespace: int | None = None, source: str = "
     xgrammar_strings: reproduce xgrammar 0.2.9's two departures from valid JSON text, only to compare
     the two backends: minLength/maxLength strings may hold raw control characters other than \\r and
     \\n, and string characters (and a pattern's negated classes) include the surrogates
-    U+D800..U+DFFF as the bytes ED A0..BF xx, which no UTF-8 decoder accepts.
+    U+D800..U+DFFF as the bytes ED A0..BF xx, which no UTF-8 decoder accepts. It also takes
+    xgrammar's looser format date/date-time (XGR_DATE: year 0000, 02-31, second 60).
     """
     conv = _Converter(schema, max_whitespace, source)
     conv.xgr = xgrammar_strings
@@ -196,7 +206,8 @@ class _Converter:
             raise self.error(path, "combine at most one of format, pattern and minLength/maxLength")
         q = ir.lit('"')
         if fmt is not None:
-            return ir.seq(q, parse_regex(DATE if fmt == "date" else DATE_TIME), q)
+            date, date_time = (XGR_DATE, XGR_DATE_TIME) if self.xgr else (DATE, DATE_TIME)
+            return ir.seq(q, parse_regex(date if fmt == "date" else date_time), q)
         if pattern is not None:
             body = _restrict(parse_regex(pattern, f"{self.source}: pattern at {path or '/'}", self.xgr))
             return ir.seq(q, body, q)
