@@ -1,13 +1,14 @@
 """Chapter 17's CUDA IPC connector on a CPU: the handle protocol (export once, open once, checked),
 the block mapping (runs of rows consecutive on both sides), the one-pass copy kernel against its
-plain-PyTorch reference (Triton's interpreter), an engine pair through the connector with a fake in
-place of CUDA IPC, and the refusal of a real one on a CPU. The two-process run on a GPU is
+plain-PyTorch reference (Triton's interpreter on a CPU, native on a GPU), an engine pair through the
+connector with a fake in place of CUDA IPC, and the refusal of a real one on a CPU. The two-process run on a GPU is
 tests/test_kv_transfer.py::test_shared_pool_across_processes[cuda-CudaIpcConnector].
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import random
 
 import numpy as np
@@ -20,6 +21,10 @@ from minillm.distributed import kv_transfer
 from minillm.distributed.kv_transfer import KVTransferError, cuda_ipc
 from minillm.engine import EngineConfig, LLMEngine
 from minillm.kernels.kv_block_copy import copy_rows, copy_rows_reference, copy_runs
+
+# the copy kernel runs under Triton's interpreter on CPU tensors, or natively on CUDA ones (conftest.py
+# sets TRITON_INTERPRET only where there is no GPU)
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 _OPEN: dict[int, torch.Tensor] = {}  # the fake's "device memory": what a handle maps to
 
@@ -64,19 +69,19 @@ def test_runs_cover_exactly_the_rows(seed):
 @pytest.mark.parametrize("row_bytes", [24, 12, 6])  # int64, int32 and byte words
 def test_copy_kernel_equals_reference(seed, row_bytes):
     g, rng = torch.Generator().manual_seed(seed), random.Random(seed)
-    src = torch.randint(0, 256, (80, row_bytes), dtype=torch.uint8, generator=g)
-    dst = torch.randint(0, 256, (96, row_bytes), dtype=torch.uint8, generator=g)
+    src = torch.randint(0, 256, (80, row_bytes), dtype=torch.uint8, generator=g).to(DEVICE)
+    dst = torch.randint(0, 256, (96, row_bytes), dtype=torch.uint8, generator=g).to(DEVICE)
     s, d = rng.sample(range(80), 30), rng.sample(range(20, 96), 20)  # no destination twice
     s[5:15] = range(40, 50)
     d[5:5] = range(10, 20)  # one long run among single rows
-    runs = torch.from_numpy(copy_runs(s, d, max_rows=4))
+    runs = torch.from_numpy(copy_runs(s, d, max_rows=4)).to(DEVICE)
     want = dst.clone()
     copy_rows_reference(src, want, runs)
     assert torch.equal(want[d], src[s])
     copy_rows(src, dst, runs, max_rows=4)
     assert torch.equal(dst, want)
     with pytest.raises(ValueError, match="rows differ"):
-        copy_rows(src, torch.zeros(4, row_bytes + 1, dtype=torch.uint8), runs)
+        copy_rows(src, torch.zeros(4, row_bytes + 1, dtype=torch.uint8, device=DEVICE), runs)
     with pytest.raises(TypeError, match="uint8 row views"):
         copy_rows(src.float(), dst, runs)
 

@@ -45,7 +45,6 @@ def test_stored_with_outputs(path):
 # Notebooks whose stored outputs are still a CPU run: strict, so the mark must go when the GPU outputs land.
 NOT_YET_ON_A_GPU = {"14_structured_output": "the session's device time ran out before notebook 14 ran on a GPU "
                                             "(scripts/gpu/s1204.sh C runs it)",
-                    "17_disaggregation": "stored outputs are a CPU run; scripts/gpu/ch17.sh notebook runs it on a GPU",
                     "15_kv_eviction": "notebook 15's stored outputs are a CPU run (the helper had no GPU): the "
                                       "integrator's GPU run replaces them",
                     "16_multi_lora": "notebook 16's stored outputs are a CPU run; the integrator's GPU run "
