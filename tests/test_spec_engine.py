@@ -26,8 +26,8 @@ from minillm.spec_decode.eagle import EagleModel
 from minillm.spec_decode.medusa import MedusaHeads
 
 
-def spec_config(method: str, rng: random.Random, target) -> dict:
-    k = rng.choice([1, 2, 4])
+def spec_config(method: str, rng: random.Random, target, k: int | None = None) -> dict:
+    k = k or rng.choice([1, 2, 4])
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": rng.choice([1, 2]),
                 "prompt_lookup_max": 3}
@@ -265,7 +265,7 @@ def test_back_off_pauses_a_sequence_whose_drafts_fail(seed, tok):
 def test_seeded_sampling_with_drafts_is_the_same_alone_and_batched(seed, tok, method):
     rng = random.Random(seed + 3)
     model, config = random_model(rng)
-    spec = spec_config(method, rng, model) | {"num_speculative_tokens": 3}
+    spec = spec_config(method, rng, model, k=3)  # Medusa needs heads for every draft
     requests = [((p[-5:] or [1]) * 3, SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=rng.randrange(1000),
                                                      n=rng.choice([1, 2])))
                 for p, _ in random_requests(rng, config.vocab_size, 5)]

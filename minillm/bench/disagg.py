@@ -36,9 +36,9 @@ import time
 from .serve_metrics import RequestResult, arrival_times, meets_slo, summarize, tpot, ttft
 
 CPU = dict(preset=None, prompt=(16, 96), output=(8, 24), num_prompts=16, rates="4,8,16,32,64,128",
-           burst_decodes=4, burst_output=48, burst_prompts=4, burst_prompt_len=192, max_batched=64)
+           burst_decodes=4, burst_output=96, burst_prompts=4, burst_prompt_len=192, max_batched=64)
 GPU = dict(preset="qwen3-0.6b", prompt=(256, 2048), output=(64, 256), num_prompts=64, rates="2,4,8,16,32,64,128",
-           burst_decodes=16, burst_output=256, burst_prompts=16, burst_prompt_len=4096, max_batched=2048)
+           burst_decodes=16, burst_output=1024, burst_prompts=16, burst_prompt_len=4096, max_batched=2048)
 
 
 def tiny_config():
@@ -289,7 +289,7 @@ def run(device: str | None = None, rates: str | None = None, num_prompts: int | 
                              "rule": "given (--slo)" if slo else f"{slo_scale} x the colocated median TTFT and "
                                      f"TPOT at {rate_list[0]} req/s"}
         if "burst" in workloads:
-            schedule = burst_schedule(sizes, vocab, seed + 7, burst_at=1.0 if device == "cpu" else 0.5)
+            schedule = burst_schedule(sizes, vocab, seed + 7, burst_at=0.3 if device == "cpu" else 0.1)
             report["burst"] = {"decodes": sizes["burst_decodes"], "prompts": sizes["burst_prompts"],
                                "prompt_len": sizes["burst_prompt_len"]}
             toks = {}

@@ -109,6 +109,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = self.make_mlp(config, layer, quant_config, f"{prefix}.mlp")
         self.decode_gemv: str | None = None  # chapter 18: "gemv" or "pdl" once enabled (layers/decode_gemv.py)
 
+    # a class default too: layers of the families that build their own __init__ (DeepSeek's) inherit it
+    decode_gemv: str | None = None
+
     def has_gemv_path(self) -> bool:
         """Whether forward_gemv can run this layer: the dense one (not a MoE or latent-attention family's)."""
         return isinstance(self.self_attn, LlamaAttention) and isinstance(self.mlp, LlamaMLP)
