@@ -49,6 +49,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
                             "ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.skipif(not INTERPRETED, reason="a CPU model under the interpreter (the GPU's check: floor_gemv.py)")
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_pdl_backend_gives_the_tokens_of_graphs(seed, tok, arch, monkeypatch):
     rng = random.Random(seed)

@@ -88,6 +88,7 @@ def test_slips_are_caught(slip):
             ch18.check_gemv_partials(_With(**{slip: True}), cases=6, engine=False, seed=seed)
 
 
+@pytest.mark.slow
 def test_a_slip_in_the_engine_is_caught():
     """The engine check alone: a kernel whose every split reads the first K slice changes the tiny model's tokens."""
     with pytest.raises(CheckFailed, match="engine"):
