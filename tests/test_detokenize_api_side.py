@@ -78,6 +78,7 @@ def _ends_inside_a_character(tok, ids: list[int], skip: bool) -> bool:
     return detok.flush() != ""
 
 
+@pytest.mark.slow
 def test_core_rows_carry_ids_and_text_only_for_stop_strings(tiny_chat_model, oracle, seed, monkeypatch):
     """EngineCore on an LLMEngine: rows of sequences without stop strings have text None and the
     detokenizer never steps for them; the stop-string request still stops exactly, its text in its rows."""
@@ -117,6 +118,7 @@ def test_core_rows_carry_ids_and_text_only_for_stop_strings(tiny_chat_model, ora
 
 
 @pytest.mark.parametrize("core", ["thread", "process"])
+@pytest.mark.slow
 def test_client_text_is_generate_text(tiny_chat_model, oracle, seed, core):
     tok = oracle.tokenizer
     requests = _with_stop(oracle, _requests(tok, seed))

@@ -38,6 +38,7 @@ def oracle(tiny_chat_model):
     return LLM(str(tiny_chat_model), device="cpu")
 
 
+@pytest.mark.slow
 def test_completions_equal_colocated(disagg, oracle, tiny_chat_model):
     base, producer, consumer = disagg
     expected = oracle.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))

@@ -129,6 +129,7 @@ def test_core_process_death_makes_health_a_503(tiny_chat_model):
     assert engine.core.proc.exitcode == -signal.SIGKILL
 
 
+@pytest.mark.slow
 def test_model_that_fails_to_load_exits_2(tmp_path):
     from serve_utils import free_port
 

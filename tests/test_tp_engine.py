@@ -98,6 +98,7 @@ def _int8_shards(rank: int, world_size: int, folder) -> list:
     return [(m.qweight, m.scales) for m in (block.self_attn.o_proj, block.mlp.down_proj)]
 
 
+@pytest.mark.slow
 def test_int8_row_parallel_shards_are_the_slices_of_tp1s_int8_weights(tiny):
     """The scale of a row comes from the whole row: an all-reduce of the ranks' maxima. Each rank's
     int8 weights are then exactly TP = 1's, sliced by input features, with TP = 1's scales."""
@@ -113,6 +114,7 @@ def test_int8_row_parallel_shards_are_the_slices_of_tp1s_int8_weights(tiny):
             assert torch.equal(q_r, q[:, rank * k:(rank + 1) * k])
 
 
+@pytest.mark.slow
 def test_int8_at_tp2_makes_the_tokens_of_int8_at_tp1(tiny):
     """Quantized on the fly after sharding: a row-parallel rank's int8 scales come from the whole row
     (an all-reduce of the ranks' maxima), so each rank holds TP = 1's int8 weights, sliced."""
