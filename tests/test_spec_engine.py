@@ -56,6 +56,18 @@ def random_drafter(method: str, model, rng: random.Random, k: int):
     return drafter
 
 
+
+def assert_matches_alone(got: dict, expected: list, aborted: set, ec) -> None:
+    """Each request's engine tokens equal its lone run's; an aborted one's are a prefix of them."""
+    for i, want in enumerate(expected):
+        rid = f"r{i}"
+        if rid in aborted:
+            for g, w in zip(got.get(rid, []), want):
+                assert g == w[: len(g)], (rid, g, w)
+            continue
+        assert got[rid] == want, f"{rid}: engine {got[rid]} vs alone {want} ({ec})"
+
+
 def check_blocks(engine: LLMEngine) -> None:
     """Between steps: no sequence holds blocks past its tokens, and only accepted tokens' full blocks
     are named in the prefix cache."""
@@ -110,13 +122,7 @@ def test_speculating_engine_matches_plain_greedy(seed, tok, method, case):
     for i, (p, sp) in enumerate(requests):
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp, priority=rng.choice([0, 0, 1]))
     got = drain(engine, aborted)
-    for i, want in enumerate(expected):
-        rid = f"r{i}"
-        if rid in aborted:
-            for g, w in zip(got.get(rid, []), want):
-                assert g == w[: len(g)], (rid, g, w)
-            continue
-        assert got[rid] == want, f"{rid}: engine {got[rid]} vs alone {want} ({ec})"
+    assert_matches_alone(got, expected, aborted, ec)
     spec = engine.engine_stats.spec
     assert spec.num_draft_tokens > 0 or method == "ngram"
     if method == "self":
